@@ -1,0 +1,202 @@
+"""Continuous batching under a token budget, FCFS, preemption by recompute.
+
+`schedule()` returns plain data: how many tokens each request computes this step.
+`update_from_output()` applies what the model produced. Neither touches a model,
+so both are tested without one.
+
+One step:
+  1. Running requests, in admission order, each get
+     min(tokens left to compute, remaining budget) tokens. If blocks run out, the
+     most recently admitted running request is preempted (blocks freed, progress
+     reset to zero, put back at the front of the waiting queue) until it fits.
+  2. If nothing was preempted, waiting requests are admitted in FCFS order while
+     budget, `max_num_seqs` and blocks allow, starting from their cached prefix.
+A request whose prompt is longer than the remaining budget is prefilled in chunks
+across steps, interleaved with the decodes of other requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.config import SchedulerConfig
+from cluster.engine.request import Request, RequestStatus
+from cluster.kv.kv_cache_manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """What the model runner needs for one request this step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV this step computes
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # chunk reaches the last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    new_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """A request's progress after one step: new tokens and, if it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    status: RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- queue management ------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, or a stop string found by the output processor)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk_size(request, budget)
+            while not self.kv.allocate_slots(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.num_scheduled_tokens[request.request_id] = n
+                scheduled.append(request)
+                budget -= n
+                i += 1
+
+        while self.waiting and budget > 0 and not out.preempted_request_ids:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            cached_blocks, num_cached = self.kv.cached_prefix(request)
+            request.num_computed_tokens = num_cached
+            n = self._chunk_size(request, budget)
+            if not self.kv.allocate_slots(request, n, cached_blocks):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                out.new_request_ids.append(request.request_id)
+            request.status = RequestStatus.RUNNING
+            request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
+            self.running.append(request)
+            out.num_scheduled_tokens[request.request_id] = n
+            scheduled.append(request)
+            budget -= n
+
+        for request in scheduled:
+            n = out.num_scheduled_tokens[request.request_id]
+            start = request.num_computed_tokens
+            out.chunks.append(
+                ScheduledChunk(
+                    request_id=request.request_id,
+                    token_ids=request.token_slice(start, start + n),
+                    start_pos=start,
+                    block_ids=list(self.kv.block_table(request.request_id)),
+                    sample=start + n == request.num_tokens,
+                )
+            )
+        return out
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- apply results ------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Advance progress by what was computed; append sampled tokens; finish stops.
+
+        `sampled` maps request id -> next token for every chunk with `sample=True`.
+        Requests finished meanwhile (aborted between schedule and update) are skipped.
+        """
+        updates: list[RequestUpdate] = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_computed_blocks(request)
+            if not chunk.sample:
+                continue
+            request.output_token_ids.append(sampled[chunk.request_id])
+            status = request.stop_status(self.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updates.append(RequestUpdate(request.request_id, [request.output_token_ids[-1]], request.status))
+        return updates
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            assert 0 <= request.num_computed_tokens < request.num_tokens
+            assert len(self.kv.block_table(request.request_id)) * self.kv.block_size >= request.num_computed_tokens
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not self.kv.block_table(request.request_id)
+        assert len(self.running) + len(self.waiting) == len(self.requests)

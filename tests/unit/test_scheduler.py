@@ -1,0 +1,141 @@
+"""Scheduler without a model: exact chunks, block ids, preemption and stop rules."""
+
+from cluster.config import SchedulerConfig
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.scheduler import Scheduler
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.kv_cache_manager import KVCacheManager
+
+BS = 4
+
+
+def make(num_blocks=16, budget=8, max_seqs=8, max_model_len=64, caching=True):
+    kv = KVCacheManager(BlockPool(num_blocks, BS, caching), "m")
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs), kv, max_model_len)
+
+
+def req(rid, n, max_tokens=4, start=0, **kw):
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=frozenset({2}))
+
+
+def run_step(s: Scheduler, token=100):
+    out = s.schedule()
+    sampled = {c.request_id: token for c in out.chunks if c.sample}
+    updates = s.update_from_output(out, sampled)
+    s.check_integrity()
+    return out, updates
+
+
+def test_chunked_prefill_interleaves_with_decode():
+    s = make(budget=8)
+    s.add_request(req("a", 3))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 3}
+    assert out.chunks[0].sample and out.chunks[0].block_ids == [0]
+    s.add_request(req("b", 20, start=50))
+    out, _ = run_step(s)
+    # a decodes 1 token, b gets the remaining 7 of the budget as its first chunk.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+    b = next(c for c in out.chunks if c.request_id == "b")
+    assert (b.start_pos, b.sample, b.block_ids) == (0, False, [1, 2])
+    assert b.token_ids == list(range(50, 57))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+    b = next(c for c in out.chunks if c.request_id == "b")
+    assert (b.start_pos, b.block_ids) == (7, [1, 2, 4, 5])  # a took block 3 first
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 6}
+    assert next(c for c in out.chunks if c.request_id == "b").sample
+    assert s.requests["b"].output_token_ids == [100]
+
+
+def test_fcfs_and_max_num_seqs():
+    s = make(budget=64, max_seqs=2)
+    for rid in "abc":
+        s.add_request(req(rid, 4))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_preemption_frees_blocks_and_recomputes_later():
+    # 4 blocks of 4 tokens. a and b each fill 2 blocks with their 8-token prompts.
+    s = make(num_blocks=4, budget=64, max_model_len=16, caching=False)
+    s.add_request(req("a", 8, max_tokens=6))
+    s.add_request(req("b", 8, max_tokens=6, start=20))
+    out, _ = run_step(s)
+    assert s.kv.block_table("a") == [0, 1] and s.kv.block_table("b") == [2, 3]
+    # Next step both need a 3rd block for token 9: a is first; b (admitted last) is preempted.
+    out, _ = run_step(s)
+    assert out.preempted_request_ids == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert s.kv.block_table("a") == [0, 1, 3]  # b freed tail-first: 3 then 2; a took 3
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.output_token_ids == [100]  # kept: recompute replays prompt + outputs
+    assert list(s.waiting) == [b]
+    while s.requests.get("a"):
+        run_step(s)
+    # a finished (max_tokens): b is readmitted and recomputes all 9 known tokens at once.
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"b": 9}
+    assert out.chunks[0].token_ids == list(range(20, 28)) + [100]
+    while s.requests:
+        run_step(s)
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    s = make(budget=64)
+    s.add_request(req("a", 10, max_tokens=1))
+    run_step(s)
+    assert "a" not in s.requests  # finished after 1 token; blocks cached-idle
+    s.add_request(req("b", 11, max_tokens=1))
+    out, _ = run_step(s)
+    c = out.chunks[0]
+    assert (c.start_pos, len(c.token_ids)) == (8, 3)
+    assert c.block_ids[:2] == [0, 1]
+
+
+def test_stop_rules():
+    s = make(budget=64)
+    s.add_request(req("eos", 3, max_tokens=5))
+    s.add_request(req("min", 3, max_tokens=5, min_tokens=2, start=10))
+    s.add_request(req("ign", 3, max_tokens=3, ignore_eos=True, start=20))
+    s.add_request(req("stop_id", 3, max_tokens=5, stop_token_ids=(7,), start=30))
+    _, updates = run_step(s, token=2)  # eos for everyone
+    status = {u.request_id: u.status for u in updates}
+    assert status["eos"] == RequestStatus.FINISHED_STOPPED
+    assert status["min"] == RequestStatus.RUNNING  # min_tokens=2 not reached
+    assert status["ign"] == RequestStatus.RUNNING
+    assert status["stop_id"] == RequestStatus.FINISHED_STOPPED
+    _, updates = run_step(s, token=7)
+    status = {u.request_id: u.status for u in updates}
+    assert status == {"min": RequestStatus.RUNNING, "ign": RequestStatus.RUNNING}
+    _, updates = run_step(s, token=2)
+    status = {u.request_id: u.status for u in updates}
+    assert status["min"] == RequestStatus.FINISHED_STOPPED
+    assert status["ign"] == RequestStatus.FINISHED_LENGTH
+    assert not s.requests and s.kv.pool.num_used_blocks == 0
+
+
+def test_finish_request_frees_waiting_and_running():
+    s = make(budget=4)
+    s.add_request(req("a", 8))
+    s.add_request(req("b", 8, start=40))
+    run_step(s)  # a has a partial prefill, b waits
+    assert s.finish_request("a", RequestStatus.FINISHED_ABORTED).status == RequestStatus.FINISHED_ABORTED
+    assert s.finish_request("b", RequestStatus.FINISHED_ABORTED) is not None
+    assert s.finish_request("b", RequestStatus.FINISHED_ABORTED) is None
+    s.check_integrity()
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_max_model_len_finishes_with_length():
+    s = make(budget=64, max_model_len=6)
+    s.add_request(req("a", 4, max_tokens=10))
+    run_step(s)
+    _, updates = run_step(s)
+    assert updates[0].status == RequestStatus.FINISHED_LENGTH
+    assert s.kv.pool.num_idle_blocks == s.kv.pool.num_blocks
