@@ -5,3 +5,47 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Tests share two cores with whatever else runs; keep torch from oversubscribing.
+torch.set_num_threads(2)
+
+# Tiny checkpoints exercising every family and its variants (GQA/MQA/MHA, tied or not,
+# sharded or not, llama3 rope scaling, explicit head_dim).
+TINY_VARIANTS = {
+    "llama": dict(
+        arch="llama",
+        overrides={
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+        max_shard_bytes=200_000,
+    ),
+    "mistral": dict(arch="mistral", overrides={"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "qwen2": dict(arch="qwen2", overrides={"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "qwen3": dict(arch="qwen3", overrides={"tie_word_embeddings": False}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Build each tiny variant once per session: {name: model_dir}."""
+    from cluster.model.random_checkpoint import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {
+        name: make_model(v["arch"], "tiny", root / name, overrides=v.get("overrides"), max_shard_bytes=v.get("max_shard_bytes"))
+        for name, v in TINY_VARIANTS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models):
+    return tiny_models["llama"]

@@ -1,0 +1,39 @@
+# The README's commands. Every target is idempotent.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup serve test test-unit redis-server clean
+
+setup: $(STAMP)
+
+# torch first, alone: `torch==2.13.0` takes the CPU wheel already on disk.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip==26.3"
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/pdserve serve
+
+# redis-server comes from Debian; installed here when missing and we are root.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null); \
+	  else \
+	    echo "redis-server is missing: install it (Debian/Ubuntu: sudo apt-get install redis-server)" >&2; exit 1; \
+	  fi; }
+
+test: setup redis-server
+	$(VENV)/bin/pytest -q -ra --durations=15 tests
+
+test-unit: setup
+	$(VENV)/bin/pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,192 @@
+"""`pdserve bench engine`: offline engine speed, side by side with its references.
+
+For each batch size B, the same B random prompts (input_len tokens, greedy, exactly
+output_len new tokens) run through
+  - the pdserve engine (prefill timed apart from decode steps),
+  - transformers `generate` (when installed), prefill timed by a 1-token generate,
+and are compared with the memory-bandwidth roofline: one decode step must read every
+weight once, so time/step >= weight bytes / read bandwidth (measured here, now).
+Results: a table on stdout, JSON and a PNG bar chart in --result-dir.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of streaming reads, best of `repeats` (a bf16 sum is read-bound)."""
+    x = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best
+
+
+def weight_bytes(engine: Engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def bench_pdserve(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.pool.reset_prefix_cache()  # measure compute, not cache hits from the last run
+    for p in prompts:
+        engine.add_request(p, params)
+    step_times, decode_times, generated = [], [], 0
+    start = time.perf_counter()
+    first_token_at = None
+    while engine.has_unfinished:
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        step_times.append(dt)
+        n = sum(len(o.new_token_ids) for o in outs)
+        generated += n
+        if first_token_at is None and generated >= len(prompts):
+            first_token_at = time.perf_counter() - start
+        elif first_token_at is not None:
+            decode_times.append(dt)
+    total = time.perf_counter() - start
+    return {
+        "total_s": total,
+        "prefill_s": first_token_at,
+        "decode_step_ms_mean": 1e3 * statistics.mean(decode_times),
+        "decode_step_ms_median": 1e3 * statistics.median(decode_times),
+        "output_tokens": generated,
+        "output_throughput": generated / total,
+        "decode_throughput": len(prompts) / statistics.mean(decode_times),
+    }
+
+
+def bench_transformers(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], output_len: int) -> dict | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t
+
+    timed(2)  # warm-up
+    prefill = timed(1)
+    total = timed(output_len)
+    decode_step = (total - prefill) / (output_len - 1)
+    return {
+        "total_s": total,
+        "prefill_s": prefill,
+        "decode_step_ms_mean": 1e3 * decode_step,
+        "output_throughput": len(prompts) * output_len / total,
+        "decode_throughput": len(prompts) / decode_step,
+    }
+
+
+def run_engine_bench(args) -> int:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"measuring read bandwidth ({torch.get_num_threads()} threads) ...")
+    bandwidth = measure_read_bandwidth()
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            max_model_len=args.input_len + args.output_len + 16,
+            cache=CacheConfig(memory_gib=2.0),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, args.input_len), max_num_seqs=max(batch_sizes)),
+        )
+    )
+    wbytes = weight_bytes(engine)
+    roofline_ms = 1e3 * wbytes / bandwidth
+    vocab = engine.loaded.arch.vocab_size
+    bench_pdserve(engine, random_prompts(2, 32, vocab, seed=99), 4)  # warm-up
+    results = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "weight_bytes": wbytes,
+        "read_bandwidth_gbs": bandwidth / 1e9,
+        "roofline_step_ms": roofline_ms,
+        "runs": [],
+    }
+    for b in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
+        prompts = random_prompts(b, args.input_len, vocab)
+        run = {"batch_size": b, "pdserve": bench_pdserve(engine, prompts, args.output_len)}
+        if not args.no_transformers:
+            run["transformers"] = bench_transformers(args.model, engine.loaded.dtype, prompts, args.output_len)
+        results["runs"].append(run)
+
+    print(f"\nweights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
+    print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")
+    for run in results["runs"]:
+        for system in ("pdserve", "transformers"):
+            r = run.get(system)
+            if not r:
+                continue
+            print(
+                f"{run['batch_size']:>5} {system:>12} {r['decode_step_ms_mean']:>8.1f} "
+                f"{r['decode_step_ms_mean'] / roofline_ms:>10.2f} {r['decode_throughput']:>12.1f} "
+                f"{r['output_throughput']:>11.1f} {r['prefill_s']:>9.2f}"
+            )
+        if run.get("transformers"):
+            ratio = run["transformers"]["decode_step_ms_mean"] / run["pdserve"]["decode_step_ms_mean"]
+            print(f"{'':>5} pdserve decode is {ratio:.2f}x transformers")
+
+    out_dir = Path(args.result_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"engine-{Path(args.model).name}-{args.dtype}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    plot_engine_bench(results, out_dir / f"{stem}.png")
+    print(f"wrote {out_dir / stem}.json and .png")
+    return 0
+
+
+def plot_engine_bench(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    systems = [s for s in ("pdserve", "transformers") if any(r.get(s) for r in runs)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j in range(len(runs))]
+        ax.bar(xs, [r[system]["decode_step_ms_mean"] if r.get(system) else 0 for r in runs], width, label=system)
+    ax.axhline(results["roofline_step_ms"], color="k", linestyle="--", label="bandwidth roofline")
+    ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(runs))])
+    ax.set_xticklabels([f"batch {r['batch_size']}" for r in runs])
+    ax.set_ylabel("ms per decode step (lower is better)")
+    ax.set_title(f"{Path(results['model']).name} {results['dtype']}, {results['threads']} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,157 @@
+"""`pdserve` command line: make-model, generate, bench, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from cluster.config import DTYPES
+
+BUILTIN_ARCH, BUILTIN_SIZE = "llama", "tiny"
+
+
+def pdserve_home() -> Path:
+    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+
+
+def builtin_model_dir() -> Path:
+    """The built-in tiny model, made (random weights, local tokenizer) on first use."""
+    from cluster.model.random_checkpoint import make_model
+
+    out = pdserve_home() / "models" / f"{BUILTIN_ARCH}-{BUILTIN_SIZE}"
+    if not (out / "config.json").exists():
+        print(f"making the built-in {BUILTIN_SIZE} {BUILTIN_ARCH} model in {out} ...", file=sys.stderr)
+        make_model(BUILTIN_ARCH, BUILTIN_SIZE, out)
+    return out
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from cluster.model.random_checkpoint import make_model
+
+    out = make_model(args.arch, args.size, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
+    print(out)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.config import CacheConfig, EngineConfig
+    from cluster.engine.engine import Engine
+    from cluster.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop or ()),
+    )
+    config = EngineConfig(
+        model=args.model or str(builtin_model_dir()),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+        cache=CacheConfig(memory_gib=args.kv_cache_gib),
+    )
+    engine = Engine(config)
+    done = engine.generate([args.prompt], params)[0]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt_token_ids": done.prompt_token_ids,
+                    "token_ids": done.token_ids,
+                    "text": done.text,
+                    "finish_reason": done.finish_reason,
+                }
+            )
+        )
+    else:
+        print(done.text)
+    return 0
+
+
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from cluster.bench.engine_bench import run_engine_bench
+
+    return run_engine_bench(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    print(
+        "pdserve serve: the Ray Serve cluster (router, prefill and decode tiers) is not built yet "
+        "(tracked in the disaggregation issue). Meanwhile `pdserve generate` runs the engine.",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    mm = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint with a locally trained tokenizer")
+    mm.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
+    mm.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    mm.add_argument("--out", required=True)
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    mm.add_argument("--max-shard-bytes", type=int, default=None, help="shard the safetensors above this size")
+    mm.set_defaults(fn=_cmd_make_model)
+
+    g = sub.add_parser("generate", help="generate from one prompt in this process (no Ray)")
+    g.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", choices=DTYPES, default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-gib", type=float, default=1.0)
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
+    g.set_defaults(fn=_cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="offline engine throughput against transformers and the bandwidth roofline")
+    be.add_argument("--model", required=True)
+    be.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    be.add_argument("--input-len", type=int, default=256)
+    be.add_argument("--output-len", type=int, default=64)
+    be.add_argument("--batch-sizes", default="1,16")
+    be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    be.add_argument("--result-dir", default="bench-results")
+    be.set_defaults(fn=_cmd_bench_engine)
+
+    s = sub.add_parser("serve", help="start the serving cluster")
+    s.set_defaults(fn=_cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from cluster.engine.sampling_params import InvalidRequestError
+    from cluster.model.families import UnsupportedModelError
+    from cluster.model.loader import ModelLoadError
+
+    try:
+        return args.fn(args)
+    except (InvalidRequestError, ModelLoadError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Streaming front of the Engine for async callers (the workers' interface).
+
+One background thread owns the Engine and steps it; nothing else touches it.
+Callers hand work in through a thread-safe inbox (add, abort) and get deltas on a
+per-request asyncio queue. A caller that stops iterating (cancelled, disconnected)
+aborts its request, which frees its blocks on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cluster.engine.engine import Engine, Prompt, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: "_Sink"
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Sink:
+    """Where a request's deltas go: an asyncio queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._sinks: dict[str, _Sink] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream deltas until the request finishes. Bad input raises before any work."""
+        if self._closed:
+            raise EngineDeadError("engine is shut down")
+        params = params or SamplingParams()
+        ids = self.engine.tokenize(prompt)
+        self.engine.validate_length(len(ids), params)
+        request_id = request_id or f"async-{next(self._ids)}"
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        self._post(_Add(request_id, ids, params, sink))
+        finished = False
+        try:
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._post(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._post(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._post(None)
+        self._thread.join(timeout=30)
+
+    def _post(self, msg: _Add | _Abort | None) -> None:
+        self._inbox.put(msg)
+        self._wakeup.set()
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._wakeup.clear()
+            if not self._drain_inbox():
+                return
+            if not self.engine.has_unfinished:
+                self._wakeup.wait()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a broken step must not strand callers or blocks
+                log.exception("engine step failed; failing every running request")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+                if sink is not None:
+                    sink.put(out)
+
+    def _drain_inbox(self) -> bool:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if msg is None:
+                self._fail_all(EngineDeadError("engine shut down"))
+                return False
+            if isinstance(msg, _Abort):
+                self._sinks.pop(msg.request_id, None)
+                self.engine.abort(msg.request_id)
+                continue
+            try:
+                self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id)
+                self._sinks[msg.request_id] = msg.sink
+            except Exception as e:
+                msg.sink.put(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            self.engine.abort(request_id)
+            sink.put(error)
+        self._sinks.clear()

@@ -1,0 +1,271 @@
+"""The engine: scheduler + model runner + sampler + output processing, one process.
+
+    add_request() -> [ step() ]* -> RequestOutput deltas (tokens, text, finish reason)
+
+`step()` is synchronous and single-threaded; `AsyncEngine` (async_engine.py) drives it
+from a background thread for streaming callers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.runner import ModelRunner, num_kv_blocks
+from cluster.engine.sampler import SampledToken, Sampler, SampleInput
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.scheduler import Scheduler
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.kv_cache_manager import KVCacheManager
+from cluster.model.loader import load_model
+from cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole history)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Completion:
+    """A whole finished request, as the batch `generate()` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class _OutputState:
+    """Per-request output processing: detokenization, stop strings, seeded RNG."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stops: StopChecker
+    generator: torch.Generator | None
+    text: str = ""  # detokenized output (uncut)
+    emitted: int = 0  # characters of `text` already sent
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.max_model_len = self.loaded.max_model_len
+        self.eos_token_ids = self.loaded.eos_token_ids | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        block_size = config.cache.block_size
+        num_blocks = num_kv_blocks(config.cache, self.loaded.arch, self.loaded.dtype)
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens, less than one sequence of "
+                f"max_model_len {self.max_model_len}: give it more memory or lower max_model_len"
+            )
+        self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.model_id)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device)
+        self.sampler = Sampler()
+        self._outputs: dict[str, _OutputState] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        *,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        **kwargs,
+    ) -> Engine:
+        return cls(EngineConfig(model=model, cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(), **kwargs))
+
+    # ---- requests ------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.loaded.arch.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def validate_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("prompt is empty")
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
+                "shorten the prompt or lower max_tokens"
+            )
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError before any work."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        self.validate_length(len(ids), params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._outputs:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        request = Request(request_id, ids, params, eos_token_ids=frozenset(self.eos_token_ids))
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        self.scheduler.add_request(request)
+        self._outputs[request_id] = _OutputState(
+            request,
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+            StopChecker(params.stop),
+            generator,
+        )
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free its blocks; returns its final (empty) delta."""
+        state = self._outputs.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return self._delta(state, [], "")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ---- one step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        request_ids, logits = self.runner.execute(sched)
+        rows = [self._sample_input(rid) for rid in request_ids]
+        sampled = dict(zip(request_ids, self.sampler(logits, rows)))
+        updates = self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
+        return [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
+
+    def _sample_input(self, request_id: str) -> SampleInput:
+        state = self._outputs[request_id]
+        r = state.request
+        return SampleInput(r.params, r.prompt_token_ids, r.output_token_ids, state.generator)
+
+    def _process(self, request_id: str, new_ids: list[int], status: RequestStatus, sampled: SampledToken) -> RequestOutput:
+        state = self._outputs[request_id]
+        params = state.request.params
+        # A stop token (eos or stop_token_ids) ends the request but is not part of the text.
+        stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+        text_ids = new_ids[:-1] if stopped_by_token else new_ids
+        state.text += state.detokenizer.step(text_ids)
+        finished = status.is_finished
+        if finished:
+            state.text += state.detokenizer.flush()
+        outcome = state.stops.process(state.text, state.emitted, finished)
+        if outcome.stopped and not finished:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            finished = True
+        state.text, state.emitted = outcome.text, outcome.emitted
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprob(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
+        if finished:
+            del self._outputs[request_id]
+        return self._delta(state, new_ids, outcome.delta, logprobs)
+
+    def _delta(self, state: _OutputState, new_ids: list[int], new_text: str, logprobs=None) -> RequestOutput:
+        r = state.request
+        return RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+            finished=r.status.is_finished,
+            finish_reason=r.status.finish_reason if r.status.is_finished else None,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=len(r.output_token_ids),
+            num_cached_tokens=r.num_cached_prompt_tokens,
+            logprobs=logprobs,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # ---- batch API ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[Completion]:
+        """Run prompts to completion together (continuous batching); results in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("need one SamplingParams per prompt")
+        results: dict[str, Completion] = {}
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = self.add_request(prompt, p)
+                results[rid] = Completion(rid, list(self._outputs[rid].request.prompt_token_ids))
+            with tqdm(total=len(results), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while any(c.finish_reason is None for c in results.values()):
+                    for out in self.step():
+                        c = results.get(out.request_id)
+                        if c is None:
+                            continue
+                        c.token_ids += out.new_token_ids
+                        c.text += out.new_text
+                        c.num_cached_tokens = out.num_cached_tokens
+                        if out.logprobs is not None:
+                            c.logprobs = (c.logprobs or []) + out.logprobs
+                        if out.finished:
+                            c.finish_reason = out.finish_reason
+                            bar.update()
+        finally:
+            for rid, c in results.items():
+                if c.finish_reason is None:
+                    self.abort(rid)
+        return list(results.values())

@@ -1,0 +1,112 @@
+"""Turns a SchedulerOutput into one forward pass over the paged KV cache.
+
+The runner owns the KV cache tensors (one K and one V per layer, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`) and nothing else; which block
+holds what is the block pool's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import CacheConfig
+from cluster.engine.scheduler import SchedulerOutput
+from cluster.model.attention import AttentionMetadata, PrefillSeq
+from cluster.model.families import ModelArch
+from cluster.model.loader import LoadedModel
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+    return per_token * block_size
+
+
+def num_kv_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    return max(1, int(cache.memory_gib * 2**30) // kv_bytes_per_block(arch, cache.block_size, dtype))
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] rows of the hidden states to sample from
+    sample_request_ids: list[str]  # [N]
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: str = "cpu"):
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=loaded.dtype, device=device), torch.zeros(shape, dtype=loaded.dtype, device=device))
+            for _ in range(self.arch.num_layers)
+        ]
+
+    def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
+        """Run the step; returns (request ids to sample, their logits [N, vocab] fp32)."""
+        batch = self.prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [N, vocab]
+        return batch.sample_request_ids, logits
+
+    def prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        decodes = [c for c in sched.chunks if len(c.token_ids) == 1]
+        prefills = [c for c in sched.chunks if len(c.token_ids) > 1]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        for c in decodes:
+            input_ids.append(c.token_ids[0])
+            positions.append(c.start_pos)
+            slots.append(c.block_ids[c.start_pos // bs] * bs + c.start_pos % bs)
+        max_blocks = max((len(c.block_ids) for c in decodes), default=0)
+        decode_tables = torch.tensor([c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in decodes], dtype=torch.int32)
+        decode_lens = torch.tensor([c.start_pos + 1 for c in decodes], dtype=torch.int32)
+
+        prefill_seqs: list[PrefillSeq] = []
+        for c in prefills:
+            start, n = c.start_pos, len(c.token_ids)
+            end = start + n
+            pos = range(start, end)
+            prefill_seqs.append(
+                PrefillSeq(
+                    query_start=len(input_ids),
+                    query_len=n,
+                    context_len=end,
+                    block_ids=torch.tensor(c.block_ids[: -(-end // bs)], dtype=torch.int64, device=self.device),
+                )
+            )
+            input_ids.extend(c.token_ids)
+            positions.extend(pos)
+            slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
+
+        row = 0
+        for c in decodes + prefills:
+            row += len(c.token_ids)
+            if c.sample:
+                sample_rows.append(row - 1)
+                sample_ids.append(c.request_id)
+
+        def t(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=decode_tables.to(self.device),
+            decode_context_lens=decode_lens.to(self.device),
+            prefills=tuple(prefill_seqs),
+        )
+        return BatchInputs(t(input_ids), t(positions), meta, t(sample_rows), sample_ids)

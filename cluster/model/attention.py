@@ -1,0 +1,122 @@
+"""Self-attention over a paged KV cache, for a flattened batch of sequences.
+
+A step's tokens are laid out decode-first:
+
+    [ d_0 d_1 ... d_{D-1} | p_0 p_0 p_0 ... | p_1 p_1 ... ]
+      one token per          one contiguous chunk per prefilling sequence
+      decoding sequence
+
+Every token's K/V is first written into the cache at its slot; decode tokens then
+attend through the block table (paged-attention kernel), and each prefill chunk
+attends to its cached context plus itself, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.model.mlp import fuse_linears
+from cluster.model.norm import RMSNorm
+from cluster.model.rotary import RotaryEmbedding
+from kernels import paged_attention_decode, store_kv
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    query_start: int  # index of its first token in the flattened batch
+    query_len: int
+    context_len: int  # tokens in cache after this step (cached prefix + this chunk)
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [D, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [D] int32
+    prefills: tuple[PrefillSeq, ...]
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm_eps: float | None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.rotary = rotary
+        # Hugging Face names for loading; fuse() merges q/k/v into one matmul.
+        self.q_proj = nn.Linear(hidden_size, self.q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, self.kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hk, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # q: [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # k: [T, Hk, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # v: [T, Hk, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+        out = torch.empty_like(q)  # [T, Hq, D]
+        D = meta.num_decode_tokens
+        if D:
+            out[:D] = paged_attention_decode(
+                q[:D], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        for seq in meta.prefills:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seq)
+        return self.o_proj(out.view(T, self.q_size))
+
+    def _prefill_attention(self, q, k, v, k_cache, v_cache, seq: PrefillSeq) -> torch.Tensor:
+        # q: [Tq, Hq, D]; attends to context positions [0, context_len), causally.
+        start = seq.context_len - seq.query_len
+        if start > 0:  # part of the context is only in the cache: read it back
+            k = k_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]  # [L, Hk, D]
+            v = v_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]
+            q_pos = torch.arange(start, seq.context_len, device=q.device)
+            mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]  # [Tq, L]
+        else:
+            mask = None
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [Hq, Tq, D]
+            k.transpose(0, 1),  # [Hk, L, D]
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.transpose(0, 1)  # [Tq, Hq, D]

@@ -1,0 +1,83 @@
+"""The decoder-only transformer every supported family composes.
+
+Parameter names equal the Hugging Face checkpoint names, so loading is a name match;
+after loading, `fuse()` merges q/k/v and gate/up into single matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cluster.model.attention import Attention, AttentionMetadata
+from cluster.model.families import ModelArch
+from cluster.model.mlp import GatedMLP
+from cluster.model.norm import RMSNorm
+from cluster.model.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(
+            arch.hidden_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            rotary,
+            qkv_bias=arch.qkv_bias,
+            qk_norm_eps=arch.rms_norm_eps if arch.qk_norm else None,
+        )
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, h, positions, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        # h: [T, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    """Hugging Face's `model.*` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, arch: ModelArch, max_positions: int):
+        super().__init__()
+        rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderBody(arch, max_positions)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def fuse(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],  # one per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, positions, kv_cache, meta)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [N, hidden] -> [N, vocab] fp32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, weight).float()

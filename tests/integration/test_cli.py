@@ -1,0 +1,44 @@
+"""The `pdserve` command line, run as a user would (subprocess, real checkpoint)."""
+
+import json
+import subprocess
+import sys
+
+PDSERVE = [sys.executable, "-m", "cluster.cli"]
+
+
+def run(*args):
+    return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_make_model_then_generate_json_matches_engine(tmp_path):
+    out = tmp_path / "m"
+    r = run("make-model", "--arch", "qwen3", "--size", "tiny", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    r = run("generate", "--model", str(out), "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos", "--json", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(result) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+    assert len(result["token_ids"]) == 8 and result["finish_reason"] == "length"
+
+    from cluster.engine.engine import Engine
+    from cluster.engine.sampling_params import SamplingParams
+
+    engine = Engine.from_pretrained(str(out), dtype="float32")
+    done = engine.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert result["token_ids"] == done.token_ids and result["prompt_token_ids"] == done.prompt_token_ids
+
+
+def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):
+    cases = [
+        ("generate", "--model", str(tmp_path / "missing"), "--prompt", "x"),
+        ("generate", "--model", str(tiny_llama), "--prompt", ""),
+        ("generate", "--model", str(tiny_llama), "--prompt", "x", "--max-tokens", "-3"),
+        ("generate", "--model", str(tiny_llama), "--prompt", "x", "--max-tokens", "100000"),
+    ]
+    for args in cases:
+        r = run(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert "error:" in r.stderr

@@ -1,0 +1,133 @@
+"""Engine behaviour through its public API on a real tiny checkpoint."""
+
+import asyncio
+
+import pytest
+
+from cluster.config import CacheConfig, SchedulerConfig
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.model.loader import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine.from_pretrained(
+        str(tiny_llama),
+        dtype="float32",
+        max_model_len=256,
+        cache=CacheConfig(block_size=8, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+    )
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    prompt = "The quick brown fox"
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = engine.generate([prompt], p)[0].token_ids
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batched = engine.generate(["other prompt", prompt, "third"], [others, p, others])[1].token_ids
+    assert alone == batched
+    other_seed = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=4321, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_stop_string_cuts_text_and_finishes(engine):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = engine.generate(["Hello world"], greedy)[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]  # a stop string somewhere inside the output, maybe across tokens
+    cut = engine.generate(["Hello world"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert stop not in cut.text
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    full = engine.generate(["abc"], greedy)[0].token_ids
+    stop_at = full[4]
+    first = full.index(stop_at)
+    out = engine.generate(["abc"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full[: first + 1]
+    out = engine.generate(
+        ["abc"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at], min_tokens=first + 2)
+    )[0]
+    assert len(out.token_ids) >= first + 2
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", SamplingParams(), "prompt is empty"),
+        ([], SamplingParams(), "prompt is empty"),
+        ("x " * 300, SamplingParams(max_tokens=4), "maximum context length is 256"),
+        ("hi", SamplingParams(max_tokens=256), "maximum context length"),
+        ([10**9], SamplingParams(), "token ids must be integers"),
+    ],
+)
+def test_bad_input_is_refused_before_any_work(engine, prompt, params, match):
+    before = engine.pool.num_used_blocks
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished and engine.pool.num_used_blocks == before
+
+
+def test_negative_max_tokens_is_refused():
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Engine.from_pretrained(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+        Engine.from_pretrained(str(tmp_path))
+
+
+def test_abort_frees_blocks(engine):
+    rid = engine.add_request("some prompt to abort", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.pool.num_used_blocks > 0
+    final = engine.abort(rid)
+    assert final.finished and final.finish_reason == "abort"
+    engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_async_stream_matches_batch_and_cancel_aborts(engine):
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = engine.generate(["stream me"], greedy)[0]
+    aengine = AsyncEngine(engine)
+
+    async def collect():
+        tokens, text, last = [], "", None
+        async for delta in aengine.generate("stream me", greedy):
+            tokens += delta.new_token_ids
+            text += delta.new_text
+            last = delta
+        return tokens, text, last
+
+    async def cancel_midway():
+        agen = aengine.generate("cancel me", SamplingParams(max_tokens=200, ignore_eos=True))
+        async for _ in agen:
+            break
+        await agen.aclose()  # consumer goes away: the request is aborted
+
+    try:
+        tokens, text, last = asyncio.run(collect())
+        assert tokens == expected.token_ids and text == expected.text
+        assert last.finished and last.finish_reason == "length"
+        asyncio.run(cancel_midway())
+        for _ in range(100):
+            if not engine.has_unfinished:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert not engine.has_unfinished
+    finally:
+        aengine.shutdown()
+    engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0
