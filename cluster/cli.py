@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--output-len", type=int, default=64)
     be.add_argument("--batch-sizes", default="1,16")
     be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--rounds", type=int, default=3, help="alternating rounds per system; medians reported")
     be.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     be.add_argument("--result-dir", default="bench-results")
     be.set_defaults(fn=_cmd_bench_engine)

@@ -6,7 +6,8 @@ output_len new tokens) run through
   - transformers `generate` (when installed), prefill timed by a 1-token generate,
 and are compared with the memory-bandwidth roofline: one decode step must read every
 weight once, so time/step >= weight bytes / read bandwidth (measured here, now).
-Results: a table on stdout, JSON and a PNG bar chart in --result-dir.
+The systems alternate for --rounds rounds and medians are reported (the machine is
+shared and noisy). Results: a table on stdout, JSON and a PNG bar chart in --result-dir.
 """
 
 from __future__ import annotations
@@ -77,12 +78,16 @@ def bench_pdserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     }
 
 
-def bench_transformers(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], output_len: int) -> dict | None:
+def load_transformers(model_dir: str, dtype: torch.dtype):
     try:
         import transformers
     except ImportError:
+        print("transformers is not installed: skipping that baseline")
         return None
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def bench_transformers(model, prompts: list[list[int]], output_len: int) -> dict:
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -104,6 +109,10 @@ def bench_transformers(model_dir: str, dtype: torch.dtype, prompts: list[list[in
         "output_throughput": len(prompts) * output_len / total,
         "decode_throughput": len(prompts) / decode_step,
     }
+
+
+def median_of(rounds: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
 
 def run_engine_bench(args) -> int:
@@ -137,12 +146,20 @@ def run_engine_bench(args) -> int:
         "roofline_step_ms": roofline_ms,
         "runs": [],
     }
-    for b in tqdm(batch_sizes, desc="batch sizes", unit="batch"):
-        prompts = random_prompts(b, args.input_len, vocab)
-        run = {"batch_size": b, "pdserve": bench_pdserve(engine, prompts, args.output_len)}
-        if not args.no_transformers:
-            run["transformers"] = bench_transformers(args.model, engine.loaded.dtype, prompts, args.output_len)
-        results["runs"].append(run)
+    hf_model = None if args.no_transformers else load_transformers(args.model, engine.loaded.dtype)
+    # Systems alternate round by round so that machine noise hits both alike; medians reported.
+    with tqdm(total=len(batch_sizes) * args.rounds, desc="benchmark rounds", unit="round") as bar:
+        for b in batch_sizes:
+            prompts = random_prompts(b, args.input_len, vocab)
+            rounds: dict[str, list[dict]] = {"pdserve": [], "transformers": []}
+            for _ in range(args.rounds):
+                rounds["pdserve"].append(bench_pdserve(engine, prompts, args.output_len))
+                if hf_model is not None:
+                    rounds["transformers"].append(bench_transformers(hf_model, prompts, args.output_len))
+                bar.update()
+            run = {"batch_size": b, "rounds": args.rounds}
+            run.update({system: median_of(rs) for system, rs in rounds.items() if rs})
+            results["runs"].append(run)
 
     print(f"\nweights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
     print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")

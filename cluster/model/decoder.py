@@ -11,6 +11,7 @@ from torch import nn
 
 from cluster.model.attention import Attention, AttentionMetadata
 from cluster.model.families import ModelArch
+from cluster.model.linear import Linear
 from cluster.model.mlp import GatedMLP
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
@@ -56,12 +57,23 @@ class CausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderBody(arch, max_positions)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Tied checkpoints have no lm_head tensor: the head reads the embedding matrix.
+        Called again after materialising from `meta`, which unties shared parameters."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse(self) -> None:
+        """After loading: merge projections, then pre-pack weights where that is faster."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
 
     @torch.inference_mode()
     def forward(
@@ -79,5 +91,4 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         # h: [N, hidden] -> [N, vocab] fp32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).float()
+        return self.lm_head(h).float()

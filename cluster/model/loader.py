@@ -106,16 +106,17 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     with torch.device("meta"):
         model = CausalLM(arch, max_positions=max_len)
     model.to_empty(device=device).to(torch_dtype)
+    model.tie_weights()
     for module in model.modules():  # the fp32 rotary table is derived, not loaded
         if isinstance(module, RotaryEmbedding):
             module.rebuild()
-    _load_weights(model, files)
+    _load_weights(model, files, arch)
     model.fuse()
     model.eval().requires_grad_(False)
     return LoadedModel(model, arch, torch_dtype, max_len, eos_token_ids(model_dir, config))
 
 
-def _load_weights(model: CausalLM, files: list[Path]) -> None:
+def _load_weights(model: CausalLM, files: list[Path], arch: ModelArch) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -123,7 +124,7 @@ def _load_weights(model: CausalLM, files: list[Path]) -> None:
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
+                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and arch.tie_word_embeddings):
                         continue
                     param = params.get(name)
                     if param is None:

@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from cluster.model.linear import Linear, fuse_linears
 from kernels import silu_and_mul
 
 
@@ -10,10 +11,10 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         # Loaded under their Hugging Face names, then fused into gate_up_proj by fuse().
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: Linear | None = None
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
@@ -23,13 +24,3 @@ class GatedMLP(nn.Module):
         # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
-
-def fuse_linears(*parts: nn.Linear) -> nn.Linear:
-    """One Linear whose output is the concatenation of `parts`' outputs."""
-    weight = torch.cat([p.weight.data for p in parts], dim=0)
-    has_bias = parts[0].bias is not None
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]), requires_grad=False)
-    return fused

@@ -1,0 +1,81 @@
+"""The Hugging Face loader refuses broken or unsupported checkpoints with clear errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cluster.model.families import UnsupportedModelError
+from cluster.model.loader import ModelLoadError, load_model
+
+
+@pytest.fixture
+def copy_of(tmp_path, tiny_models):
+    def copy(name):
+        dst = tmp_path / name
+        shutil.copytree(tiny_models[name], dst)
+        return dst
+
+    return copy
+
+
+def edit_config(model_dir, **changes):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def test_sharded_checkpoint_loads_every_shard(tiny_models):
+    model_dir = tiny_models["llama"]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    loaded = load_model(model_dir, dtype="float32")
+    assert loaded.arch.rope_scaling["rope_type"] == "llama3"
+    assert len(loaded.eos_token_ids) == 2  # generation_config lists two eos ids
+
+
+def test_dtype_choice(tiny_models):
+    assert load_model(tiny_models["qwen2"], dtype="bfloat16").model.lm_head.weight.dtype == torch.bfloat16
+    assert load_model(tiny_models["qwen2"], dtype="auto").dtype == torch.float32  # checkpoint dtype
+
+
+def test_tied_head_shares_the_embedding(tiny_models):
+    m = load_model(tiny_models["mistral"], dtype="float32").model
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+
+
+def test_unsupported_architecture_names_the_supported_ones(copy_of):
+    d = copy_of("qwen2")
+    edit_config(d, architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        load_model(d)
+
+
+def test_missing_files(copy_of):
+    d = copy_of("qwen2")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="expected model.safetensors"):
+        load_model(d)
+    (d / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="config.json not found"):
+        load_model(d)
+
+
+def test_missing_shard(copy_of):
+    d = copy_of("llama")
+    next(d.glob("model-0000*-of-*.safetensors")).unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(d)
+
+
+def test_shape_mismatch_is_reported(copy_of):
+    d = copy_of("qwen2")
+    edit_config(d, intermediate_size=96)
+    with pytest.raises(ModelLoadError, match="checkpoint shape"):
+        load_model(d)
+
+
+def test_context_beyond_the_model_is_refused(tiny_models):
+    with pytest.raises(ModelLoadError, match="max_position_embeddings"):
+        load_model(tiny_models["qwen2"], max_model_len=10**6)
