@@ -69,12 +69,11 @@ class Completion:
 
 @dataclass
 class _OutputState:
-    """Per-request output processing: detokenization, stop strings, seeded RNG."""
+    """Per-request output processing: detokenization and stop strings."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
     stops: StopChecker
-    generator: torch.Generator | None
     text: str = ""  # detokenized output (uncut)
     emitted: int = 0  # characters of `text` already sent
 
@@ -139,31 +138,81 @@ class Engine:
                 "shorten the prompt or lower max_tokens"
             )
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Validate and queue a request; raises InvalidRequestError before any work."""
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        hold_kv: bool = False,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError before any work.
+
+        hold_kv: when it finishes, keep its blocks (for sending to a decode worker)
+        until `release(request_id)`.
+        """
+        request = self._new_request(prompt, params, request_id, hold_kv)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def _new_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, hold_kv: bool) -> Request:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         self.validate_length(len(ids), params)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._outputs:
+        if request_id in self._outputs or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        request = Request(request_id, ids, params, eos_token_ids=frozenset(self.eos_token_ids))
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
-        self.scheduler.add_request(request)
+        request = Request(request_id, ids, params, eos_token_ids=frozenset(self.eos_token_ids), hold_kv=hold_kv)
         self._outputs[request_id] = _OutputState(
             request,
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             StopChecker(params.stop),
-            generator,
         )
-        return request_id
+        return request
+
+    # ---- disaggregation: KV computed on another worker ------------------------------
+    def block_table(self, request_id: str) -> list[int]:
+        """Block ids holding the request's KV (also for held, finished requests)."""
+        return list(self.kv.block_table(request_id))
+
+    def release(self, request_id: str) -> bool:
+        """Free a finished hold_kv request's blocks."""
+        return self.scheduler.release_held(request_id)
+
+    def add_remote_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> tuple[str, list[int], int] | None:
+        """Reserve blocks for a prompt whose KV arrives from a prefill worker.
+
+        Returns (request id, block ids to receive the uncached part into, prompt tokens
+        already in this engine's prefix cache), or None if the blocks do not fit now.
+        """
+        request = self._new_request(prompt, params, request_id, hold_kv=False)
+        reserved = self.scheduler.add_remote_request(request)
+        if reserved is None:
+            del self._outputs[request.request_id]
+            return None
+        block_ids, num_cached = reserved
+        return request.request_id, block_ids, num_cached
+
+    def commit_remote(
+        self, request_id: str, first_token_id: int, kv_received: bool, first_logprob: TokenLogprob | None = None
+    ) -> RequestOutput | None:
+        """Join a remote-prefilled request to the batch with the token the prefill sampled.
+
+        kv_received=False (the transfer failed, policy `recompute`): the prompt beyond
+        the local cached prefix is recomputed here before decoding continues.
+        """
+        update = self.scheduler.commit_remote(request_id, first_token_id, kv_received)
+        if update is None:
+            return None
+        sampled = SampledToken(first_token_id, first_logprob.logprob, first_logprob.top) if first_logprob else None
+        return self._process(request_id, update.new_token_ids, update.status, sampled)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; returns its final (empty) delta."""
         state = self._outputs.pop(request_id, None)
         if state is None:
+            self.release(request_id)  # a finished hold_kv request whose transfer was abandoned
             return None
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self._delta(state, [], "")
@@ -188,11 +237,21 @@ class Engine:
         return [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
 
     def _sample_input(self, request_id: str) -> SampleInput:
-        state = self._outputs[request_id]
-        r = state.request
-        return SampleInput(r.params, r.prompt_token_ids, r.output_token_ids, state.generator)
+        r = self._outputs[request_id].request
+        return SampleInput(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
 
-    def _process(self, request_id: str, new_ids: list[int], status: RequestStatus, sampled: SampledToken) -> RequestOutput:
+    def _generator(self, request: Request) -> torch.Generator | None:
+        """A seeded request draws token i from a generator seeded by (seed, i): the same
+        output whichever worker samples which token (prefill samples the first)."""
+        if request.params.seed is None:
+            return None
+        position = len(request.output_token_ids)
+        seed = (request.params.seed * 1_000_003 + position) % (1 << 63)
+        return torch.Generator(device=self.config.device).manual_seed(seed)
+
+    def _process(
+        self, request_id: str, new_ids: list[int], status: RequestStatus, sampled: SampledToken | None
+    ) -> RequestOutput:
         state = self._outputs[request_id]
         params = state.request.params
         # A stop token (eos or stop_token_ids) ends the request but is not part of the text.
@@ -208,7 +267,7 @@ class Engine:
             finished = True
         state.text, state.emitted = outcome.text, outcome.emitted
         logprobs = None
-        if params.logprobs is not None:
+        if params.logprobs is not None and sampled is not None:
             logprobs = [TokenLogprob(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
         if finished:
             del self._outputs[request_id]

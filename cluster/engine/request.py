@@ -18,11 +18,12 @@ from cluster.kv.hashing import BlockHash
 class RequestStatus(enum.IntEnum):
     # Ordered: everything after PREEMPTED is finished.
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_KV = 1  # blocks reserved; its prompt's KV is arriving from a prefill worker
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -47,6 +48,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str = ""
+    hold_kv: bool = False  # on finish, keep the blocks until released (they are sent to a decode worker)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

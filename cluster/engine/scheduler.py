@@ -66,9 +66,11 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}  # WAITING_FOR_KV: blocks reserved, KV in flight
+        self.held: dict[str, Request] = {}  # finished, blocks kept until released (hold_kv)
 
     # ---- queue management ------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -84,11 +86,63 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_KV:
+            del self.receiving[request_id]
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        if request.hold_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.held[request_id] = request
+        else:
+            self.kv.free(request)
         return request
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a finished hold_kv request (its KV was sent, or never will be)."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        return request is not None
+
+    # ---- KV computed elsewhere (disaggregated decode) ------------------------------
+    def add_remote_request(self, request: Request) -> tuple[list[int], int] | None:
+        """Reserve blocks for a request whose prompt KV a prefill worker will send.
+
+        Returns (block ids to receive into, prompt tokens already cached here), or None
+        if the blocks do not fit now. The request waits, unscheduled, until commit_remote.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        cached_blocks, num_cached = self.kv.cached_prefix(request)
+        request.num_computed_tokens = num_cached
+        if not self.kv.allocate_slots(request, request.num_tokens - num_cached, cached_blocks):
+            request.num_computed_tokens = 0
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_cached_prompt_tokens = num_cached
+        self.requests[request.request_id] = request
+        self.receiving[request.request_id] = request
+        return self.kv.block_table(request.request_id)[num_cached // self.kv.block_size :], num_cached
+
+    def commit_remote(self, request_id: str, first_token_id: int, kv_received: bool) -> RequestUpdate | None:
+        """The prompt's KV arrived (or not): join the running batch with the first token.
+
+        With kv_received=False the prompt beyond the cached prefix is recomputed here:
+        progress just stays at the cached prefix and the scheduler does the rest.
+        """
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            return None
+        if kv_received:
+            request.num_computed_tokens = request.num_tokens
+            self.kv.cache_computed_blocks(request)
+        request.output_token_ids.append(first_token_id)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        status = request.stop_status(self.max_model_len)
+        if status is not None:
+            self.finish_request(request_id, status)
+        return RequestUpdate(request_id, [first_token_id], request.status)
 
     @property
     def num_unfinished(self) -> int:
@@ -199,4 +253,8 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert not self.kv.block_table(request.request_id)
-        assert len(self.running) + len(self.waiting) == len(self.requests)
+        for request in self.receiving.values():
+            assert request.status == RequestStatus.WAITING_FOR_KV
+        for request in self.held.values():
+            assert request.status.is_finished and request.request_id not in self.requests
+        assert len(self.running) + len(self.waiting) + len(self.receiving) == len(self.requests)

@@ -1,0 +1,24 @@
+"""`pdserve bench engine` end to end on the tiny model: consistent JSON and a plot."""
+
+import json
+
+from cluster.cli import main
+
+
+def test_bench_engine_writes_consistent_results(tmp_path, tiny_llama):
+    rc = main([
+        "bench", "engine", "--model", str(tiny_llama), "--dtype", "float32",
+        "--input-len", "24", "--output-len", "5", "--batch-sizes", "1,3", "--rounds", "1",
+        "--threads", "1", "--result-dir", str(tmp_path),
+    ])
+    assert rc == 0
+    (result,) = tmp_path.glob("*.json")
+    data = json.loads(result.read_text())
+    assert [r["batch_size"] for r in data["runs"]] == [1, 3]
+    assert data["roofline_step_ms"] > 0 and data["read_bandwidth_gbs"] > 0
+    for run in data["runs"]:
+        ours = run["pdserve"]
+        assert ours["output_tokens"] == run["batch_size"] * 5
+        assert ours["prefill_s"] <= ours["total_s"]
+        assert run["transformers"]["decode_step_ms_mean"] > 0
+    assert (tmp_path / result.name.replace(".json", ".png")).stat().st_size > 1000

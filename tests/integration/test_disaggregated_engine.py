@@ -1,0 +1,112 @@
+"""Prefill on one engine, decode on another, KV blocks copied between them: the same
+tokens as one colocated engine. This is the data path the workers run, minus Ray and
+the network (blocks are copied directly between the two engines' caches here)."""
+
+import dataclasses
+
+import pytest
+
+from cluster.config import CacheConfig, SchedulerConfig
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+
+BS = 8
+
+
+def make_engine(model_dir):
+    return Engine.from_pretrained(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        cache=CacheConfig(block_size=BS, num_blocks=96),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32),
+    )
+
+
+def copy_blocks(src: Engine, src_ids, dst: Engine, dst_ids):
+    for (sk, sv), (dk, dv) in zip(src.runner.kv_caches, dst.runner.kv_caches):
+        dk[dst_ids] = sk[src_ids]
+        dv[dst_ids] = sv[src_ids]
+
+
+def prefill(engine: Engine, prompt, params) -> tuple[str, int]:
+    """Run the prompt with max_tokens=1, keeping its blocks: (request id, first token)."""
+    first = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+    rid = engine.add_request(prompt, first, hold_kv=True)
+    token = None
+    while token is None:
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                token = out.new_token_ids[0]
+    return rid, token
+
+
+def disaggregated(p_engine: Engine, d_engine: Engine, prompt, params, kv_received=True):
+    rid, first = prefill(p_engine, prompt, params)
+    reserved = d_engine.add_remote_request(prompt, params)
+    assert reserved is not None
+    drid, dst_ids, num_cached = reserved
+    src_ids = p_engine.block_table(rid)[num_cached // BS :]
+    assert len(src_ids) == len(dst_ids)
+    if kv_received:
+        copy_blocks(p_engine, src_ids, d_engine, dst_ids)
+    assert p_engine.release(rid)
+    out = d_engine.commit_remote(drid, first, kv_received)
+    tokens = list(out.new_token_ids)
+    while not out.finished:
+        for out in d_engine.step():
+            tokens += out.new_token_ids
+            d_engine.check_integrity()
+    return tokens, num_cached, len(dst_ids)
+
+
+PROMPTS = [
+    "A short one",
+    "The quick brown fox jumps over the lazy dog, again and again, until the dog wakes up and",
+    "The quick brown fox jumps over the lazy dog, again and again, until the fox gets tired of",
+]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+])
+def test_disaggregated_tokens_equal_colocated(tiny_models, params):
+    model = tiny_models["qwen3"]
+    expected = [c.token_ids for c in make_engine(model).generate(PROMPTS, params)]
+    p_engine, d_engine = make_engine(model), make_engine(model)
+    moved = []
+    for prompt, want in zip(PROMPTS, expected):
+        tokens, num_cached, num_moved = disaggregated(p_engine, d_engine, prompt, params)
+        assert tokens == want
+        moved.append((num_cached, num_moved))
+    # The third prompt shares a long prefix with the second: the decode engine already
+    # holds those blocks and fewer are moved.
+    assert moved[2][0] > 0 and moved[2][1] < moved[1][1]
+    for e in (p_engine, d_engine):
+        e.check_integrity()
+        assert e.pool.num_used_blocks == 0
+
+
+def test_failed_transfer_recomputes_to_the_same_tokens(tiny_models):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    model = tiny_models["llama"]
+    expected = make_engine(model).generate([PROMPTS[1]], params)[0].token_ids
+    p_engine, d_engine = make_engine(model), make_engine(model)
+    tokens, _, _ = disaggregated(p_engine, d_engine, PROMPTS[1], params, kv_received=False)
+    assert tokens == expected
+    assert d_engine.pool.num_used_blocks == 0 and p_engine.pool.num_used_blocks == 0
+
+
+def test_abort_releases_held_and_reserved_blocks(tiny_llama):
+    p_engine, d_engine = make_engine(tiny_llama), make_engine(tiny_llama)
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    rid, _ = prefill(p_engine, PROMPTS[1], params)
+    assert p_engine.pool.num_used_blocks > 0
+    p_engine.abort(rid)  # the decode side went away: the held blocks return
+    drid, _, _ = d_engine.add_remote_request(PROMPTS[1], params)
+    assert d_engine.pool.num_used_blocks > 0
+    d_engine.abort(drid)
+    for e in (p_engine, d_engine):
+        e.check_integrity()
+        assert e.pool.num_used_blocks == 0
