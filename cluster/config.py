@@ -56,3 +56,73 @@ class EngineConfig:
     @property
     def model_id(self) -> str:
         return self.served_model_name or self.model
+
+
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How KV blocks move from prefill to decode workers (cluster/kv/transport.py)."""
+
+    timeout_s: float = 30.0  # bound on every wait: rendezvous, send, receive
+    failure_policy: str = "recompute"  # fail: the request ends with an error; recompute: decode prefills it
+    fail_transfer_ids: tuple[int, ...] = ()  # fault injection (tests): these transfers fail
+    fail_every_nth: int = 0  # fault injection (tests): every nth transfer fails
+
+    def __post_init__(self) -> None:
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One Serve deployment's scaling and placement."""
+
+    num_replicas: int = 1
+    autoscaling: dict | None = None  # Serve autoscaling_config; replaces num_replicas when set
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict | None = None  # custom resources, e.g. {"prefill_node": 0.01} to pin a tier to its nodes
+    torch_threads: int = 1  # torch intra-op threads per replica (replicas share the cores)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 0 or self.torch_threads < 1:
+            raise ValueError("num_replicas must be >= 0 and torch_threads >= 1")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig
+    prefill: TierConfig = TierConfig()
+    decode: TierConfig = TierConfig()
+    router: TierConfig = TierConfig(num_cpus=0.5)
+    transport: TransportConfig = TransportConfig()
+    colocated: bool = False  # one engine per replica doing both phases (decode tier only)
+    http_port: int = 8000
+    grpc_port: int = 9000
+    redis_url: str | None = None
+
+
+def from_dict(cls, data: dict):
+    """Build a (nested) config dataclass from plain data, e.g. Serve YAML `args`.
+    Unknown keys are an error that names the allowed ones."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {sorted(unknown)}; allowed: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = from_dict(hint, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)

@@ -13,12 +13,14 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cluster.engine.engine import Engine, Prompt, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -31,7 +33,17 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    hold_kv: bool
     sink: "_Sink"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run fn(engine) on the engine thread; its result or exception resolves `future`."""
+
+    fn: Callable[[Engine], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,7 @@ class _Sink:
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
@@ -65,17 +77,52 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        hold_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas until the request finishes. Bad input raises before any work."""
-        if self._closed:
-            raise EngineDeadError("engine is shut down")
+        self._check_open()
         params = params or SamplingParams()
         ids = self.engine.tokenize(prompt)
         self.engine.validate_length(len(ids), params)
         request_id = request_id or f"async-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._post(_Add(request_id, ids, params, sink))
+        self._post(_Add(request_id, ids, params, hold_kv, sink))
+        async for item in self._drain(request_id, sink):
+            yield item
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread, between steps, and return its result."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post(_Call(fn, loop, future))
+        return await future
+
+    async def commit_remote(
+        self, request_id: str, first_token_id: int, kv_received: bool, first_logprob=None
+    ) -> AsyncIterator[RequestOutput]:
+        """Join a request reserved with Engine.add_remote_request to the batch and stream it:
+        first the delta of the prefill's token, then the decode steps."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+
+        def commit(engine: Engine) -> None:
+            out = engine.commit_remote(request_id, first_token_id, kv_received, first_logprob)
+            if out is None:
+                sink.put(EngineDeadError(f"request {request_id} was not waiting for KV"))
+                return
+            if not out.finished:
+                self._sinks[request_id] = sink
+            sink.put(out)
+
+        await self.call(commit)
+        async for item in self._drain(request_id, sink):
+            yield item
+
+    async def _drain(self, request_id: str, sink: "_Sink") -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -88,6 +135,10 @@ class AsyncEngine:
             if not finished:
                 self._post(_Abort(request_id))
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineDeadError("engine is shut down")
+
     def abort(self, request_id: str) -> None:
         self._post(_Abort(request_id))
 
@@ -96,7 +147,7 @@ class AsyncEngine:
         self._post(None)
         self._thread.join(timeout=30)
 
-    def _post(self, msg: _Add | _Abort | None) -> None:
+    def _post(self, msg: _Add | _Abort | _Call | None) -> None:
         self._inbox.put(msg)
         self._wakeup.set()
 
@@ -132,12 +183,33 @@ class AsyncEngine:
             if isinstance(msg, _Abort):
                 self._sinks.pop(msg.request_id, None)
                 self.engine.abort(msg.request_id)
-                continue
-            try:
-                self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id)
-                self._sinks[msg.request_id] = msg.sink
-            except Exception as e:
-                msg.sink.put(e)
+            elif isinstance(msg, _Call):
+                self._run_call(msg)
+            else:
+                try:
+                    self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.hold_kv)
+                    self._sinks[msg.request_id] = msg.sink
+                except Exception as e:
+                    msg.sink.put(e)
+
+    def _run_call(self, msg: _Call) -> None:
+        def resolve(future: asyncio.Future, result, error) -> None:
+            if future.done():  # the caller was cancelled meanwhile
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        result, error = None, None
+        try:
+            result = msg.fn(self.engine)
+        except Exception as e:
+            error = e
+        try:
+            msg.loop.call_soon_threadsafe(resolve, msg.future, result, error)
+        except RuntimeError:  # the caller's loop is closed
+            pass
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, sink in list(self._sinks.items()):

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.runner import ModelRunner, num_kv_blocks
 from cluster.engine.sampler import SampledToken, Sampler, SampleInput
@@ -28,8 +29,6 @@ from cluster.model.loader import load_model
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,7 @@ class Engine:
         self.loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.max_model_len = self.loaded.max_model_len
+        self.inputs = InputProcessor(self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len)
         self.eos_token_ids = self.loaded.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -118,25 +118,10 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.loaded.arch.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
+        return self.inputs.tokenize(prompt)
 
     def validate_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("prompt is empty")
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
-                "shorten the prompt or lower max_tokens"
-            )
+        self.inputs.validate_length(num_prompt_tokens, params)
 
     def add_request(
         self,
@@ -289,6 +274,21 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def checked_stats(self) -> dict:
+        """Queue depths and KV usage, after asserting the block invariant (for workers' stats)."""
+        self.check_integrity()
+        s = self.scheduler
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "receiving": len(s.receiving),
+            "held": len(s.held),
+            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            "num_blocks": self.pool.num_blocks,
+            "used_blocks": self.pool.num_used_blocks,
+            "kv_usage": self.pool.usage,
+        }
 
     # ---- batch API ---------------------------------------------------------------------
     def generate(

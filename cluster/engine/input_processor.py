@@ -1,0 +1,52 @@
+"""Prompt -> validated token ids. The gateway and the engine share this one piece, so
+a request the engine would refuse is refused at the edge, before any work."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.model.families import parse_arch
+from cluster.model.loader import read_json, resolve_max_model_len
+from cluster.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> InputProcessor:
+        """Without loading weights: reads config.json and the tokenizer files only."""
+        arch = parse_arch(read_json(Path(model_dir) / "config.json"))
+        return cls(Tokenizer.from_pretrained(model_dir), arch.vocab_size, resolve_max_model_len(max_model_len, arch))
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return ids
+
+    def validate_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("prompt is empty")
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
+                "shorten the prompt or lower max_tokens"
+            )
+
+    def process(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        ids = self.tokenize(prompt)
+        self.validate_length(len(ids), params)
+        return ids
