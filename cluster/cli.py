@@ -83,12 +83,15 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    print(
-        "pdserve serve: the Ray Serve cluster (router, prefill and decode tiers) is not built yet "
-        "(tracked in the disaggregation issue). Meanwhile `pdserve generate` runs the engine.",
-        file=sys.stderr,
-    )
-    return 2
+    from cluster.serve_main import run_serve
+
+    return run_serve(args)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from cluster.serve_main import run_status
+
+    return run_status(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,8 +139,24 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--result-dir", default="bench-results")
     be.set_defaults(fn=_cmd_bench_engine)
 
-    s = sub.add_parser("serve", help="start the serving cluster")
+    s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
+    s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny model)")
+    s.add_argument("--prefill-replicas", type=int, default=1)
+    s.add_argument("--decode-replicas", type=int, default=1)
+    s.add_argument("--colocated", action="store_true", help="one engine per replica doing both phases")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=9000)
+    s.add_argument("--redis-url", help="default: a private redis-server on a free loopback port")
+    s.add_argument("--dtype", choices=DTYPES, default="auto")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--kv-cache-gib", type=float, default=1.0)
+    s.add_argument("--torch-threads", type=int, default=1, help="torch threads per worker replica")
+    s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     s.set_defaults(fn=_cmd_serve)
+
+    st = sub.add_parser("status", help="replicas per tier, queue depths and KV usage of a running cluster")
+    st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else 'auto')")
+    st.set_defaults(fn=_cmd_status)
     return p
 
 

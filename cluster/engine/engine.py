@@ -9,6 +9,7 @@ from a background thread for streaming callers.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device)
         self.sampler = Sampler()
         self._outputs: dict[str, _OutputState] = {}
+        self.finish_counts: Counter[str] = Counter()  # finished requests by finish reason
         self._ids = itertools.count()
 
     @classmethod
@@ -260,6 +262,8 @@ class Engine:
 
     def _delta(self, state: _OutputState, new_ids: list[int], new_text: str, logprobs=None) -> RequestOutput:
         r = state.request
+        if r.status.is_finished:
+            self.finish_counts[r.status.finish_reason] += 1
         return RequestOutput(
             request_id=r.request_id,
             new_token_ids=list(new_ids),
@@ -288,6 +292,7 @@ class Engine:
             "num_blocks": self.pool.num_blocks,
             "used_blocks": self.pool.num_used_blocks,
             "kv_usage": self.pool.usage,
+            "finished": dict(self.finish_counts),
         }
 
     # ---- batch API ---------------------------------------------------------------------

@@ -1,0 +1,520 @@
+r"""KV transport: moves KV-cache blocks from a prefill worker to a decode worker.
+
+Bulk data only. Control (which request, which blocks, in which order) travels over Ray
+calls. Each (prefill, decode) pair gets its own torch.distributed process group, made
+lazily from a TCPStore rendezvous that the decode worker hosts, outside the default
+world (`init_process_group` is never called): workers come and go as tiers scale.
+ProcessGroupGloo when the KV cache is on CPU, ProcessGroupNCCL when it is on CUDA;
+the rest of the code is the same.
+
+    prefill P (rank 0)                          decode D (rank 1, hosts the TCPStore)
+    ------------------                          -------------------------------------
+                    <--- D.address, session s (control plane) ---
+    ensure_group(D, D.address, s)               ensure_group(P, D.address, s)
+          \_____ rendezvous under "pdserve/kv/P/D/s"; both block until both joined ___/
+    send_blocks(D, caches, src_ids, t)          recv_blocks(P, caches, dst_ids, t)
+      packed = pack_blocks(caches, src_ids)
+      header [magic, t, n, L, bs, Hk, D, dtype] --tag 2t-->  must equal the expected
+                                                             header, else KVTransferError
+      packed [L, 2, n, bs, Hk, D] ---------------tag 2t+1-->  into a fresh buffer, then
+                                                             unpack_blocks(caches, dst_ids)
+
+Invariants and failure handling:
+- Tags come from the transfer id, so the transfers of one pair may be posted in any
+  order and run concurrently: a send meets the receive of the same id. Transfer ids
+  are unique within a session (the prefill side numbers them).
+- Every blocking step (store connect, rendezvous, header, payload) waits at most
+  `timeout_s`. A failure raises KVTransferError naming the peer and the transfer, and is
+  counted. The receiver writes into its cache only once the whole payload has arrived,
+  so a failed transfer leaves the destination blocks untouched.
+- A sender that cannot send (injected fault) sends a failure notice in place of the
+  header: the receiver fails that transfer at once and the group stays up.
+- A group is never reused after an I/O failure (on a timeout gloo closes every
+  connection of the group). The failing side drops it (its peer's pending or next
+  operation then fails with "connection closed") and the next transfer on the pair
+  makes a new group named `{session}/g{generation}`; each side advances the generation
+  once per dead group, so both derive the same name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [num_blocks, bs, Hk, D]
+StoreAddress = tuple[str, int]
+Role = Literal["prefill", "decode"]
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+_MAGIC = 0x4B565846  # "KVXF"
+_FAILED_MAGIC = 0x4B564641  # "KVFA": the sender could not send this transfer
+
+
+def _tags(transfer_id: int) -> tuple[int, int]:
+    """(header tag, payload tag): unique per transfer, so concurrent transfers of one pair
+    match by id, not by the order the two sides post them in."""
+    return 2 * transfer_id, 2 * transfer_id + 1
+_HEADER_FIELDS = ("magic", "transfer_id", "num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+
+
+class KVTransferError(RuntimeError):
+    """A transfer, or the process group it needs, failed or timed out."""
+
+
+class _SenderFailed(Exception):
+    """The sender's failure notice arrived in place of the data (the group is healthy)."""
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Transfers the SENDER fails on purpose, before sending anything (a broken link)."""
+
+    fail_transfer_ids: frozenset[int] = frozenset()
+    fail_every_nth: int = 0  # 0: off; n: every n-th send_blocks call of this transport
+
+    def selects(self, transfer_id: int, attempt: int) -> bool:
+        """attempt: 1-based count of send_blocks calls on this transport."""
+        every = self.fail_every_nth
+        return transfer_id in self.fail_transfer_ids or (every > 0 and attempt % every == 0)
+
+
+# ---- packing ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def packed_shape(self, n: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, n, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def packed_nbytes(self, n: int) -> int:
+        return torch.Size(self.packed_shape(n)).numel() * self.dtype.itemsize
+
+
+def cache_geometry(kv_caches: KVCaches) -> CacheGeometry:
+    """The shared shape of all layers' K and V caches; ValueError if they differ."""
+    if not kv_caches:
+        raise ValueError("kv_caches is empty")
+    k0 = kv_caches[0][0]
+    if k0.dim() != 4:
+        raise ValueError(f"cache tensors must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k0.shape)}")
+    for layer, (k, v) in enumerate(kv_caches):
+        for t in (k, v):
+            if t.shape != k0.shape or t.dtype != k0.dtype or t.device != k0.device:
+                raise ValueError(
+                    f"layer {layer}: cache {tuple(t.shape)} {t.dtype} on {t.device} differs from layer 0's "
+                    f"{tuple(k0.shape)} {k0.dtype} on {k0.device}"
+                )
+    num_blocks, block_size, num_kv_heads, head_dim = k0.shape
+    return CacheGeometry(len(kv_caches), num_blocks, block_size, num_kv_heads, head_dim, k0.dtype, k0.device)
+
+
+def _block_index(block_ids: Sequence[int], num_blocks: int, device: torch.device, unique: bool) -> torch.Tensor:
+    ids = [int(b) for b in block_ids]
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad} out of range [0, {num_blocks})")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate destination block ids in {ids}")
+    return torch.tensor(ids, dtype=torch.long, device=device)  # [n]
+
+
+def pack_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy the given blocks of every layer into one contiguous [L, 2, n, bs, Hk, D] tensor."""
+    geometry = cache_geometry(kv_caches)
+    idx = _block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # [n]
+    packed = torch.empty(geometry.packed_shape(len(idx)), dtype=geometry.dtype, device=geometry.device)
+    for layer, (k, v) in enumerate(kv_caches):  # k, v: [num_blocks, bs, Hk, D]
+        torch.index_select(k, 0, idx, out=packed[layer, 0])  # packed[layer, 0]: [n, bs, Hk, D]
+        torch.index_select(v, 0, idx, out=packed[layer, 1])
+    return packed
+
+
+def unpack_blocks(kv_caches: KVCaches, block_ids: Sequence[int], packed: torch.Tensor) -> None:
+    """Write packed [L, 2, n, bs, Hk, D] into the given blocks of every layer, in place."""
+    geometry = cache_geometry(kv_caches)
+    idx = _block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # [n]
+    expected = geometry.packed_shape(len(idx))
+    if tuple(packed.shape) != expected or packed.dtype != geometry.dtype or packed.device != geometry.device:
+        raise ValueError(
+            f"packed {tuple(packed.shape)} {packed.dtype} on {packed.device} does not fit {len(idx)} blocks "
+            f"of this cache: expected {expected} {geometry.dtype} on {geometry.device}"
+        )
+    for layer, (k, v) in enumerate(kv_caches):
+        k.index_copy_(0, idx, packed[layer, 0])
+        v.index_copy_(0, idx, packed[layer, 1])
+
+
+# ---- wire header --------------------------------------------------------------------
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())  # the same in every process
+
+
+def _header(transfer_id: int, n: int, geometry: CacheGeometry, magic: int = _MAGIC) -> torch.Tensor:
+    g = geometry
+    values = [magic, transfer_id, n, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, _dtype_code(g.dtype)]
+    return torch.tensor(values, dtype=torch.int64, device=g.device)  # header: [8]
+
+
+def _header_mismatch(expected: torch.Tensor, got: torch.Tensor) -> str:
+    pairs = zip(_HEADER_FIELDS, expected.tolist(), got.tolist())
+    return ", ".join(f"{name} {g} (expected {e})" for name, e, g in pairs if e != g)
+
+
+# ---- process groups -----------------------------------------------------------------
+
+
+def _new_process_group(store: dist.Store, rank: int, device: torch.device, timeout: timedelta, host: str):
+    """A 2-rank group outside the default world; blocks until the peer joins (<= timeout)."""
+    if device.type == "cuda":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise KVTransferError("the KV cache is on CUDA but this torch build has no NCCL")
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, nccl_options)
+    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options._timeout = timeout
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, gloo_options)
+
+
+def _shut_down(pg) -> None:
+    """Abort a group (NCCL: frees the communicator; gloo: a no-op there, and its sockets
+    close once the last reference is gone, which the caller drops)."""
+    try:
+        pg.abort()
+    except Exception as e:  # best effort: the group is being discarded anyway
+        log.debug("abort of a KV transport group failed: %s", e)
+
+
+@dataclass(eq=False)
+class _Pair:
+    """Everything one side holds for one peer. `lock` serialises transfers and rebuilds."""
+
+    peer_id: str
+    session: str
+    store_address: StoreAddress
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ready: threading.Event = field(default_factory=threading.Event)  # first build done (either way)
+    store: dist.Store | None = None  # this pair's client of the decode side's TCPStore
+    pg: object | None = None  # the live group, or None when (yet to be) (re)made
+    generation: int = 0  # groups of this session that died; names the next one
+    closed: bool = False
+
+
+@dataclass
+class _Counters:
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_sending: float = 0.0
+    seconds_receiving: float = 0.0
+    groups_created: int = 0
+    send_attempts: int = 0
+
+
+class KVTransport:
+    """One per worker. Thread-safe; transfers with different peers may run concurrently.
+
+    host: this worker's reachable address; the decode side's store and every gloo
+    connection listen on it.
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        worker_id: str,
+        device: torch.device | str,
+        timeout_s: float = 30.0,
+        host: str = "127.0.0.1",
+        fault_injection: FaultInjection | None = None,
+    ):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.role = role
+        self.worker_id = worker_id
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self.host = host
+        self._timeout = timedelta(seconds=timeout_s)
+        self._faults = fault_injection or FaultInjection()
+        self._rank = PREFILL_RANK if role == "prefill" else DECODE_RANK
+        self._lock = threading.Lock()  # guards _pairs, _counters, _closed
+        self._pairs: dict[str, _Pair] = {}
+        self._counters = _Counters()
+        self._closed = False
+        self._store: dist.TCPStore | None = None
+        if role == "decode":
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
+
+    @property
+    def address(self) -> StoreAddress | None:
+        """The rendezvous store's (host, port) on the decode side; None on the prefill side."""
+        return (self.host, self._store.port) if self._store is not None else None
+
+    # ---- groups ---------------------------------------------------------------------
+
+    def ensure_group(self, peer_id: str, store_address: StoreAddress, session: str) -> None:
+        """Make the group with `peer_id` for `session` unless it exists; blocks until the
+        peer joins too (<= timeout_s) and raises KVTransferError if it does not. A new
+        session replaces the peer's old group. Later calls with the same session return
+        once the first one is done, without raising: should the group be down, the next
+        transfer remakes it. The decode side passes its own address (ignored there)."""
+        pair, created, replaced = self._register(peer_id, tuple(store_address), session)
+        if replaced is not None:
+            self._discard(replaced)
+        if created:
+            try:
+                with pair.lock:
+                    self._connect(pair, session)
+            finally:
+                pair.ready.set()
+            return
+        if not pair.ready.wait(self.timeout_s):
+            raise KVTransferError(f"{self.worker_id}: timed out waiting for another thread's group with {peer_id!r}")
+
+    def close_peer(self, peer_id: str) -> None:
+        """Forget a peer and tear its group down (idempotent). A transfer in flight with it
+        fails within its timeout."""
+        with self._lock:
+            pair = self._pairs.pop(peer_id, None)
+        if pair is not None:
+            self._discard(pair)
+
+    def close(self) -> None:
+        """Tear down every group and stop the store. The transport is unusable afterwards."""
+        with self._lock:
+            self._closed = True
+            pairs, self._pairs = list(self._pairs.values()), {}
+            store, self._store = self._store, None
+        for pair in pairs:
+            self._discard(pair)
+        del store  # the TCPStore server stops when its last reference goes
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- transfers ------------------------------------------------------------------
+
+    def send_blocks(self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> None:
+        """Send blocks `block_ids` of `kv_caches` to decode worker `peer_id`; returns once
+        the peer has them all. KVTransferError on failure or timeout."""
+        self._require_role("prefill", "send_blocks")
+        start = time.perf_counter()
+        packed = pack_blocks(kv_caches, block_ids)  # packed: [L, 2, n, bs, Hk, D]; ValueError on bad ids
+        header = _header(transfer_id, len(block_ids), cache_geometry(kv_caches))  # [8]
+        pair = self._pair_for_transfer(peer_id, transfer_id)
+        pg, failure = None, None
+        try:
+            pg = self._live_group(pair)
+            if self._fault_selected(transfer_id):
+                # Tell the receiver at once instead of letting it wait out its timeout.
+                notice = _header(transfer_id, len(block_ids), cache_geometry(kv_caches), _FAILED_MAGIC)
+                self._wait(pg.send([notice], DECODE_RANK, _tags(transfer_id)[0]), "failure notice send")
+                self._count(transfers_failed=1)
+                failure = KVTransferError(f"{self.worker_id}: injected fault: transfer {transfer_id} with {peer_id!r} not sent")
+            else:
+                self._send_once(pg, header, packed, transfer_id)
+        except Exception as e:
+            failure = self._failed(pair, pg, transfer_id, "send", e)
+        pg = None  # the last reference to a dropped group goes: gloo closes its sockets now
+        if failure is not None:
+            raise failure  # outside `except`: see _failed
+        self._count(transfers_ok=1, bytes_sent=packed.nbytes, seconds_sending=time.perf_counter() - start)
+
+    def recv_blocks(self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> None:
+        """Receive transfer `transfer_id` from prefill worker `peer_id` into blocks
+        `block_ids` of `kv_caches`. KVTransferError on failure, timeout, or if the peer sent
+        a different transfer; the destination blocks are then left untouched."""
+        self._require_role("decode", "recv_blocks")
+        start = time.perf_counter()
+        geometry = cache_geometry(kv_caches)
+        _block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # ValueError before any I/O
+        expected = _header(transfer_id, len(block_ids), geometry)  # [8]
+        packed = torch.empty(geometry.packed_shape(len(block_ids)), dtype=geometry.dtype, device=geometry.device)
+        pair = self._pair_for_transfer(peer_id, transfer_id)
+        pg, failure = None, None
+        try:
+            pg = self._live_group(pair)
+            self._recv_once(pg, expected, packed, transfer_id)
+        except _SenderFailed as e:  # the group is fine; only this transfer failed
+            self._count(transfers_failed=1)
+            failure = KVTransferError(f"{self.worker_id}: transfer {transfer_id} from {peer_id!r} failed at the sender: {e}")
+        except Exception as e:
+            failure = self._failed(pair, pg, transfer_id, "receive", e)
+        pg = None  # the last reference to a dropped group goes: gloo closes its sockets now
+        if failure is not None:
+            raise failure  # outside `except`: see _failed
+        unpack_blocks(kv_caches, block_ids, packed)
+        self._count(transfers_ok=1, bytes_received=packed.nbytes, seconds_receiving=time.perf_counter() - start)
+
+    # ---- stats ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters since construction. seconds_*: wall time inside successful calls
+        (packing and waiting for the peer included); groups: groups open now."""
+        with self._lock:
+            c = self._counters
+            return {
+                "transfers_ok": c.transfers_ok,
+                "transfers_failed": c.transfers_failed,
+                "bytes_sent": c.bytes_sent,
+                "bytes_received": c.bytes_received,
+                "seconds_sending": c.seconds_sending,
+                "seconds_receiving": c.seconds_receiving,
+                "groups": sum(p.pg is not None for p in self._pairs.values()),
+                "groups_created": c.groups_created,
+            }
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _register(self, peer_id: str, store_address: StoreAddress, session: str) -> tuple[_Pair, bool, _Pair | None]:
+        """(pair for peer/session, whether this call made it, the pair it replaced)."""
+        with self._lock:
+            self._check_open()
+            old = self._pairs.get(peer_id)
+            if old is not None and old.session == session:
+                return old, False, None
+            pair = _Pair(peer_id, session, store_address)
+            self._pairs[peer_id] = pair
+            return pair, True, old
+
+    def _pair_for_transfer(self, peer_id: str, transfer_id: int) -> _Pair:
+        with self._lock:
+            self._check_open()
+            pair = self._pairs.get(peer_id)
+            if pair is None:
+                self._counters.transfers_failed += 1
+        if pair is None:
+            raise KVTransferError(f"{self.worker_id}: transfer {transfer_id}: no group with {peer_id!r}; call ensure_group first")
+        return pair
+
+    def _live_group(self, pair: _Pair):
+        """The pair's group, remade under the next generation's name if the last one died.
+        Both sides drop a dead group exactly once (see _failed), so they agree on the name."""
+        with pair.lock:
+            if pair.closed:
+                raise KVTransferError(f"peer {pair.peer_id!r} was closed")
+            if pair.pg is None:
+                name = f"{pair.session}/g{pair.generation}"
+                log.warning("%s: remaking KV group with %s as %r", self.worker_id, pair.peer_id, name)
+                self._connect(pair, name)
+            return pair.pg
+
+    def _connect(self, pair: _Pair, group_name: str) -> None:
+        """Rendezvous a new group for `pair` under `group_name`. Caller holds pair.lock."""
+        prefill_id, decode_id = (self.worker_id, pair.peer_id) if self.role == "prefill" else (pair.peer_id, self.worker_id)
+        prefix = f"pdserve/kv/{prefill_id}/{decode_id}/{group_name}"
+        try:
+            store = dist.PrefixStore(prefix, self._pair_store(pair))
+            pg = _new_process_group(store, self._rank, self.device, self._timeout, self.host)
+        except Exception as e:
+            raise KVTransferError(f"{self.worker_id}: no group with {pair.peer_id!r} (rendezvous {prefix!r}): {e}") from e
+        if pair.closed:  # close_peer ran while we waited for the peer
+            _shut_down(pg)
+            raise KVTransferError(f"{self.worker_id}: peer {pair.peer_id!r} was closed during the rendezvous")
+        pair.pg = pg
+        self._count(groups_created=1)
+
+    def _pair_store(self, pair: _Pair) -> dist.Store:
+        """A store client of the pair's own, kept across rebuilds: a TCPStore object runs one
+        request at a time, so rendezvous sharing one would wait for each other."""
+        if pair.store is None:
+            host, port = self.address if self.role == "decode" else pair.store_address
+            pair.store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout)
+        return pair.store
+
+    def _send_once(self, pg, header: torch.Tensor, packed: torch.Tensor, transfer_id: int) -> None:
+        header_tag, payload_tag = _tags(transfer_id)
+        self._wait(pg.send([header], DECODE_RANK, header_tag), "header send")
+        if packed.numel():
+            self._wait(pg.send([packed], DECODE_RANK, payload_tag), "payload send")
+
+    def _recv_once(self, pg, expected: torch.Tensor, packed: torch.Tensor, transfer_id: int) -> None:
+        """Receive header and payload (into `packed`); the header must equal `expected`."""
+        header_tag, payload_tag = _tags(transfer_id)
+        header = torch.empty_like(expected)  # [8]
+        self._wait(pg.recv([header], PREFILL_RANK, header_tag), "header recv")
+        if int(header[0]) == _FAILED_MAGIC:
+            raise _SenderFailed("the sender reported it could not send")
+        if not torch.equal(header, expected):
+            raise KVTransferError(f"unexpected transfer header: {_header_mismatch(expected, header)}")
+        if packed.numel():
+            self._wait(pg.recv([packed], PREFILL_RANK, payload_tag), "payload recv")
+
+    def _wait(self, work, what: str) -> None:
+        if not work.wait(self._timeout):
+            raise KVTransferError(f"{what} timed out after {self.timeout_s}s")
+
+    def _failed(self, pair: _Pair, pg, transfer_id: int, action: str, error: Exception) -> KVTransferError:
+        """Count a failed transfer and drop the group it ran on; returns the error to raise.
+
+        The caller raises it after leaving its `except` block, unchained: a traceback would
+        keep the failed group's frames, hence the group, alive, and gloo closes a group's
+        sockets (which tells the peer at once) only when its last reference goes."""
+        self._drop_group(pair, pg)
+        self._count(transfers_failed=1)
+        message = f"{self.worker_id}: {action} of transfer {transfer_id} with {pair.peer_id!r} failed: {error}"
+        log.warning("%s", message)
+        return KVTransferError(message)
+
+    def _drop_group(self, pair: _Pair, pg=None) -> None:
+        """Drop the pair's group if `pg` is still it (or unconditionally when pg is None).
+        Several transfers may fail on one dead group: only the first drop counts, so the
+        generation advances once per dead group on each side."""
+        with pair.lock:
+            if pair.pg is None or (pg is not None and pair.pg is not pg):
+                return
+            dead, pair.pg = pair.pg, None
+            pair.generation += 1
+        _shut_down(dead)
+
+    def _discard(self, pair: _Pair) -> None:
+        pair.closed = True
+        self._drop_group(pair)
+        pair.store = None
+        pair.ready.set()
+
+    def _fault_selected(self, transfer_id: int) -> bool:
+        with self._lock:
+            self._counters.send_attempts += 1
+            return self._faults.selects(transfer_id, self._counters.send_attempts)
+
+    def _count(self, **increments: float) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                setattr(self._counters, name, getattr(self._counters, name) + value)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTransferError(f"{self.worker_id}: transport is closed")
+
+    def _require_role(self, role: Role, method: str) -> None:
+        if self.role != role:
+            raise RuntimeError(f"{method} is for the {role} side; this transport is {self.role}")

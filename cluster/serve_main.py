@@ -1,0 +1,82 @@
+"""`pdserve serve` and `pdserve status`: run the Serve application, report on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+
+APP_NAME = "pdserve"
+
+
+def config_from_args(args):
+    from cluster.cli import builtin_model_dir
+    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, TierConfig
+
+    engine = EngineConfig(
+        model=args.model or str(builtin_model_dir()),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(memory_gib=args.kv_cache_gib),
+    )
+    return ClusterConfig(
+        engine=engine,
+        prefill=TierConfig(num_replicas=args.prefill_replicas, torch_threads=args.torch_threads),
+        decode=TierConfig(num_replicas=args.decode_replicas, torch_threads=args.torch_threads),
+        colocated=args.colocated,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        redis_url=args.redis_url,
+    )
+
+
+def run_serve(args) -> int:
+    import dataclasses
+
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.redis_server import PrivateRedis
+
+    config = config_from_args(args)
+    redis = None
+    if config.redis_url is None:
+        redis = PrivateRedis()
+        config = dataclasses.replace(config, redis_url=redis.url)
+        print(f"started a private redis-server at {redis.url}", file=sys.stderr)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": config.http_port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
+        print(f"pdserve is up: {tiers} replicas of {config.engine.model}. Ctrl-C stops it.", file=sys.stderr)
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+    finally:
+        print("stopping ...", file=sys.stderr)
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            if redis is not None:
+                redis.stop()
+    return 0
+
+
+def run_status(args) -> int:
+    import ray
+    from ray import serve
+
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", include_dashboard=False, log_to_driver=False)
+    router = serve.get_app_handle(APP_NAME)
+    stats = router.worker_stats.remote().result()
+    print(json.dumps(stats, indent=2))
+    return 0

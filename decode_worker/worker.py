@@ -1,0 +1,126 @@
+"""Decode worker: reserves blocks, has a prefill worker compute the prompt, receives the
+KV it lacks, and streams tokens from its continuous batch.
+
+    router --generate(req)--> DecodeWorker
+        1. engine: reserve blocks (its own prefix cache covers what it can)
+        2. prefill.prefill(...)            -> first token, transfer id   (Ray call)
+        3. transport: receive the blocks   (bulk, over the pair's process group)
+        4. engine: commit (KV arrived, or recompute per policy) and stream deltas
+
+In colocated mode it runs both phases on its own engine (the baseline and reference).
+A stream that its consumer abandons aborts the request here and at the prefill.
+Every path returns the request's blocks: finish, abort, failed transfer, error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from cluster.config import ClusterConfig
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import Engine, RequestOutput
+from cluster.kv.transport import KVTransferError, KVTransport
+from decode_worker.messages import GenerateRequest
+from prefill_worker.messages import PrefillRequest, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+class KVCacheFullError(RuntimeError):
+    """No room to reserve the prompt's blocks now (the caller may retry elsewhere)."""
+
+
+class TransferFailedError(RuntimeError):
+    """The KV transfer failed and the policy is `fail`."""
+
+
+class DecodeWorker:
+    def __init__(self, config: ClusterConfig, prefill_handle=None):
+        engine_config = dataclasses.replace(config.engine, num_threads=config.decode.torch_threads)
+        self.worker_id = f"decode-{uuid.uuid4().hex[:8]}"
+        self.colocated = config.colocated or prefill_handle is None
+        self.policy = config.transport.failure_policy
+        self.engine = AsyncEngine(Engine(engine_config))
+        self.prefill = prefill_handle
+        self.transport = None
+        if not self.colocated:
+            self.transport = KVTransport("decode", self.worker_id, engine_config.device, timeout_s=config.transport.timeout_s)
+        self._kv_caches = self.engine.engine.runner.kv_caches
+        self._counts = {"transfers_failed": 0, "recomputed": 0}
+        self._closed = False
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if self.colocated:
+            async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id):
+                yield out
+            return
+        reserved = await self.engine.call(lambda e: e.add_remote_request(req.prompt_token_ids, req.params, req.request_id))
+        if reserved is None:
+            raise KVCacheFullError(f"decode worker {self.worker_id} has no room for {len(req.prompt_token_ids)} tokens")
+        abort_on_exit = True
+        try:
+            _, block_ids, num_cached = reserved
+            result: PrefillResult = await self.prefill.prefill.remote(
+                PrefillRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    params=req.params,
+                    decode_id=self.worker_id,
+                    decode_address=self.transport.address,
+                    num_cached_tokens=num_cached,
+                    num_blocks=len(block_ids),
+                )
+            )
+            receiving = asyncio.ensure_future(asyncio.to_thread(self._receive, result, block_ids))
+            try:
+                kv_received = await asyncio.shield(receiving)
+            except asyncio.CancelledError:
+                # The receiving thread writes into the reserved blocks: free them only after it ends.
+                abort_on_exit = False
+                receiving.add_done_callback(lambda _: self.engine.abort(req.request_id))
+                raise
+            abort_on_exit = False  # from here the engine owns the request (and its abort)
+            async for out in self.engine.commit_remote(req.request_id, result.first_token_id, kv_received, result.first_logprob):
+                yield out
+        finally:
+            if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation
+                self.engine.abort(req.request_id)
+
+    def _receive(self, result: PrefillResult, block_ids: list[int]) -> bool:
+        """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
+        try:
+            self.transport.ensure_group(result.prefill_id, self.transport.address, result.session)
+            self.transport.recv_blocks(result.prefill_id, self._kv_caches, block_ids, result.transfer_id)
+            return True
+        except KVTransferError as e:
+            self._counts["transfers_failed"] += 1
+            if self.policy == "fail":
+                raise TransferFailedError(f"KV transfer from {result.prefill_id} failed: {e}") from e
+            log.warning("KV transfer %d failed, recomputing the prompt here: %s", result.transfer_id, e)
+            self._counts["recomputed"] += 1
+            return False
+
+    async def stats(self) -> dict:
+        """Queue depths, KV usage and transfer counters; asserts the block invariant."""
+        return {
+            "worker_id": self.worker_id,
+            "tier": "decode",
+            **await self.engine.call(Engine.checked_stats),
+            **self._counts,
+            "transport": self.transport.stats() if self.transport else {},
+        }
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
+        self.engine.shutdown()
+
+    def __del__(self):  # Serve calls this when the replica stops
+        self.shutdown()

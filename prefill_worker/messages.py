@@ -1,0 +1,32 @@
+"""The decode -> prefill boundary: what a decode worker asks, what the prefill answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.engine.engine import TokenLogprob
+from cluster.engine.sampling_params import SamplingParams
+
+StoreAddress = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    decode_id: str  # the decode worker waiting for the KV
+    decode_address: StoreAddress  # its rendezvous store
+    num_cached_tokens: int  # prompt tokens the decode already holds (whole blocks)
+    num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    prefill_id: str
+    session: str  # names the (prefill, decode) process group the KV travels on
+    transfer_id: int  # matches the decode's receive to this send
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    num_computed_tokens: int  # prompt tokens this prefill computed (not from its cache)

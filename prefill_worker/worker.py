@@ -1,0 +1,103 @@
+"""Prefill worker: computes prompts (chunked, reusing its prefix cache), samples the
+first token, and pushes the KV blocks a decode worker lacks.
+
+    decode --prefill(req)--> PrefillWorker
+                             1. engine: prompt with max_tokens=1, hold_kv  -> first token
+                             2. sender thread: blocks -> decode over the pair group,
+                                then release the held blocks (sent or failed)
+    decode <--PrefillResult--  (returned at once; the decode's receive meets the send)
+
+The send never blocks the reply: the decode worker posts its receive when the reply
+arrives, and transfers are matched by transfer id, not by order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from cluster.config import ClusterConfig
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import Engine
+from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
+from prefill_worker.messages import PrefillRequest, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self, config: ClusterConfig):
+        engine_config = dataclasses.replace(config.engine, num_threads=config.prefill.torch_threads)
+        self.worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
+        self.engine = AsyncEngine(Engine(engine_config))
+        t = config.transport
+        self.transport = KVTransport(
+            "prefill",
+            self.worker_id,
+            engine_config.device,
+            timeout_s=t.timeout_s,
+            fault_injection=FaultInjection(frozenset(t.fail_transfer_ids), t.fail_every_nth),
+        )
+        self.session = uuid.uuid4().hex[:8]  # new per process: a restarted worker gets fresh groups
+        self._transfer_ids = itertools.count()
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
+        self._kv_caches = self.engine.engine.runner.kv_caches
+        self.block_size = engine_config.cache.block_size
+        self._closed = False
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        first = dataclasses.replace(req.params, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=())
+        out = None
+        async for out in self.engine.generate(req.prompt_token_ids, first, req.request_id, hold_kv=True):
+            pass
+        try:
+            blocks = await self.engine.call(lambda e: e.block_table(req.request_id))
+        except BaseException:  # cancelled (the decode side gave up): the held blocks return
+            self.engine.abort(req.request_id)
+            raise
+        # Tokens [num_cached_tokens, prompt end) live in the blocks after the decode's cached ones.
+        to_send = blocks[req.num_cached_tokens // self.block_size :][: req.num_blocks]
+        transfer_id = next(self._transfer_ids)
+        asyncio.get_running_loop().run_in_executor(self._sender, self._send_then_release, req, to_send, transfer_id)
+        return PrefillResult(
+            request_id=req.request_id,
+            prefill_id=self.worker_id,
+            session=self.session,
+            transfer_id=transfer_id,
+            first_token_id=out.new_token_ids[0],
+            first_logprob=out.logprobs[0] if out.logprobs else None,
+            num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens,
+        )
+
+    def _send_then_release(self, req: PrefillRequest, block_ids: list[int], transfer_id: int) -> None:
+        try:
+            self.transport.ensure_group(req.decode_id, req.decode_address, self.session)
+            self.transport.send_blocks(req.decode_id, self._kv_caches, block_ids, transfer_id)
+        except KVTransferError as e:
+            log.warning("KV transfer %d of %s failed: %s", transfer_id, req.request_id, e)
+        finally:
+            self.engine.abort(req.request_id)  # releases the held blocks, on the engine thread
+
+    async def stats(self) -> dict:
+        """Queue depths, KV usage and transfer counters; asserts the block invariant."""
+        return {
+            "worker_id": self.worker_id,
+            "tier": "prefill",
+            **await self.engine.call(Engine.checked_stats),
+            "transport": self.transport.stats(),
+        }
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sender.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+        self.engine.shutdown()
+
+    def __del__(self):  # Serve calls this when the replica stops
+        self.shutdown()

@@ -1,0 +1,427 @@
+"""KVTransport over real gloo groups, between real (spawned) processes; no mocks.
+
+A two-process test runs one scenario in a decode child, which hosts the rendezvous
+store and puts its address on a queue, and in a prefill child, which reads it. Each
+child reports a result dict (tensors serialised with torch.save) or its traceback. Every
+wait has a deadline and children are stopped or killed on failure, so no test can hang.
+"""
+
+import io
+import multiprocessing
+import queue
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+
+from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport, pack_blocks, unpack_blocks
+
+pytestmark = pytest.mark.timeout(90)
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 2, 10, 4, 2, 8
+PREFILL_SEED, DECODE_SEED = 1, 2
+CHILD_DEADLINE_S = 45  # for both children to report; each blocking step has its own timeout
+
+
+def random_caches(seed: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return [tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(2)) for _ in range(NUM_LAYERS)]
+
+
+def payload_nbytes(n: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    return NUM_LAYERS * 2 * n * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+
+
+def to_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data))
+
+
+# ---- child processes ----------------------------------------------------------------
+
+
+def _child_loop(role, commands, addresses, results):
+    """Run (target, args) commands until None, or until idle for long (orphaned)."""
+    torch.set_num_threads(1)
+    while True:
+        try:
+            command = commands.get(timeout=300)
+        except queue.Empty:
+            return
+        if command is None:
+            return
+        target, args = command
+        try:
+            results.put((role, "ok", target(addresses, *args)))
+        except BaseException:
+            results.put((role, "error", traceback.format_exc()))
+
+
+class ChildPair:
+    """A decode child and a prefill child, reused across tests (importing torch costs ~2 s
+    of CPU per process) and restarted after any failure. Each scenario makes its own
+    transports, hence its own store and groups."""
+
+    ROLES = ("decode", "prefill")
+
+    def __init__(self):
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs = {}
+
+    def run(self, decode_target, prefill_target, decode_args=(), prefill_args=()):
+        """Run one scenario in both children; returns (decode result, prefill result)."""
+        if not self._procs:
+            self._start()
+        finished = False
+        try:
+            self._commands["decode"].put((decode_target, decode_args))
+            self._commands["prefill"].put((prefill_target, prefill_args))
+            out = self._collect()
+            finished = True
+            return out["decode"], out["prefill"]
+        finally:
+            if not finished:
+                self.stop(graceful=False)
+
+    def stop(self, graceful=True):
+        for role, p in self._procs.items():
+            if graceful:
+                self._commands[role].put(None)
+                p.join(10)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self._procs = {}
+
+    def _start(self):
+        self._addresses, self._results = self._ctx.Queue(), self._ctx.Queue()
+        self._commands = {role: self._ctx.Queue() for role in self.ROLES}
+        self._procs = {
+            role: self._ctx.Process(
+                target=_child_loop, args=(role, self._commands[role], self._addresses, self._results), name=f"kv-{role}", daemon=True
+            )
+            for role in self.ROLES
+        }
+        for p in self._procs.values():
+            p.start()
+
+    def _collect(self):
+        out = {}
+        deadline = time.monotonic() + CHILD_DEADLINE_S
+        while len(out) < 2:
+            try:
+                role, status, payload = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in self._procs.items() if not p.is_alive()}
+                pytest.fail(f"no result from {sorted(set(self.ROLES) - set(out))} within {CHILD_DEADLINE_S}s (exited: {dead})")
+            if status != "ok":
+                pytest.fail(f"{role} child failed:\n{payload}")
+            out[role] = payload
+        return out
+
+
+@pytest.fixture(scope="module")
+def children():
+    pair = ChildPair()
+    yield pair
+    pair.stop()
+
+
+def _attempt(fn, *args) -> tuple:
+    """("ok", seconds) or ("error", message, seconds); only KVTransferError is expected."""
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except KVTransferError as e:
+        return ("error", str(e), time.monotonic() - start)
+    return ("ok", time.monotonic() - start)
+
+
+def _decode_transfers(addresses, transfers, timeout_s):
+    caches = random_caches(DECODE_SEED)
+    with KVTransport("decode", "d0", "cpu", timeout_s=timeout_s) as kv:
+        addresses.put(kv.address)
+        kv.ensure_group("p0", kv.address, "s1")
+        outcomes = {tid: _attempt(kv.recv_blocks, "p0", caches, dst, tid) for tid, _src, dst in transfers}
+        return {"outcomes": outcomes, "stats": kv.stats(), "caches": to_bytes(caches)}
+
+
+def _decode_transfers_concurrently(addresses, transfers, timeout_s):
+    """One thread per receive, started in the order given (receives overlap)."""
+    import threading
+
+    caches = random_caches(DECODE_SEED)
+    with KVTransport("decode", "d0", "cpu", timeout_s=timeout_s) as kv:
+        addresses.put(kv.address)
+        kv.ensure_group("p0", kv.address, "s1")
+        outcomes = {}
+
+        def receive(tid, dst):
+            outcomes[tid] = _attempt(kv.recv_blocks, "p0", caches, dst, tid)
+
+        threads = [threading.Thread(target=receive, args=(tid, dst)) for tid, _src, dst in transfers]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        return {"outcomes": outcomes, "stats": kv.stats(), "caches": to_bytes(caches)}
+
+
+def _prefill_transfers(addresses, transfers, timeout_s, faults=None, delays=None):
+    caches = random_caches(PREFILL_SEED)
+    address = addresses.get(timeout=30)
+    with KVTransport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults) as kv:
+        kv.ensure_group("d0", address, "s1")
+        outcomes = {}
+        for tid, src, _dst in transfers:
+            time.sleep((delays or {}).get(tid, 0.0))
+            outcomes[tid] = _attempt(kv.send_blocks, "d0", caches, src, tid)
+        sent = {tid: to_bytes(pack_blocks(caches, src)) for tid, src, _dst in transfers}
+        return {"outcomes": outcomes, "stats": kv.stats(), "sent": sent}
+
+
+def _decode_sessions(addresses):
+    caches = random_caches(DECODE_SEED)
+    with KVTransport("decode", "d0", "cpu", timeout_s=5) as kv:
+        addresses.put(kv.address)
+        kv.ensure_group("p0", kv.address, "a")
+        kv.recv_blocks("p0", caches, [0, 5, 2], 1)
+        kv.ensure_group("p0", kv.address, "b")  # a replaced replica: new session replaces the group
+        kv.recv_blocks("p0", caches, [7, 8], 2)
+        stats_b = kv.stats()
+        kv.close_peer("p0")
+        return {"stats_b": stats_b, "stats_closed": kv.stats(), "caches": to_bytes(caches)}
+
+
+def _prefill_sessions(addresses):
+    caches = random_caches(PREFILL_SEED)
+    address = addresses.get(timeout=30)
+    with KVTransport("prefill", "p0", "cpu", timeout_s=5) as kv:
+        kv.ensure_group("d0", address, "a")
+        kv.send_blocks("d0", caches, [3, 7, 1], 1)
+        kv.close_peer("d0")
+        stats_closed = kv.stats()
+        after_close = _attempt(kv.send_blocks, "d0", caches, [0], 99)
+        kv.ensure_group("d0", address, "b")
+        kv.send_blocks("d0", caches, [4, 6], 2)
+        return {"stats_closed": stats_closed, "after_close": after_close, "stats_b": kv.stats()}
+
+
+# ---- tests --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pack_unpack_round_trip_is_exact(dtype):
+    src, dst = random_caches(PREFILL_SEED, dtype), random_caches(DECODE_SEED, dtype)
+    before = [(k.clone(), v.clone()) for k, v in dst]
+    src_ids, dst_ids = [5, 0, 3, 9], [2, 7, 1, 4]
+
+    packed = pack_blocks(src, src_ids)
+    assert packed.shape == (NUM_LAYERS, 2, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    assert packed.dtype == dtype and packed.is_contiguous()
+    unpack_blocks(dst, dst_ids, packed)
+
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
+    for layer in range(NUM_LAYERS):
+        for kv in range(2):
+            for i, (s, d) in enumerate(zip(src_ids, dst_ids)):
+                assert torch.equal(packed[layer, kv, i], src[layer][kv][s])
+                assert torch.equal(dst[layer][kv][d], src[layer][kv][s])
+            assert torch.equal(dst[layer][kv][untouched], before[layer][kv][untouched])
+
+
+def test_pack_unpack_reject_bad_block_ids():
+    caches = random_caches(PREFILL_SEED)
+    with pytest.raises(ValueError, match="out of range"):
+        pack_blocks(caches, [0, NUM_BLOCKS])
+    packed = pack_blocks(caches, [1, 2])
+    with pytest.raises(ValueError, match="duplicate"):
+        unpack_blocks(caches, [3, 3], packed)
+    with pytest.raises(ValueError, match="does not fit"):
+        unpack_blocks(caches, [3, 4, 5], packed)
+
+
+def test_fault_injection_selection():
+    by_id = FaultInjection(fail_transfer_ids=frozenset({2, 5}))
+    assert [t for t in range(1, 7) if by_id.selects(t, attempt=t)] == [2, 5]
+    every_third = FaultInjection(fail_every_nth=3)
+    assert [a for a in range(1, 10) if every_third.selects(100 + a, attempt=a)] == [3, 6, 9]
+    assert not any(FaultInjection().selects(t, t) for t in range(1, 10))
+
+
+TRANSFERS = [(10, [3, 7, 1], [0, 5, 2]), (11, [0], [7]), (12, [2, 4, 5, 6], [1, 3, 4, 6])]
+
+
+def test_transfers_between_processes_are_exact_and_counted(children):
+    decode, prefill = children.run(_decode_transfers, _prefill_transfers, (TRANSFERS, 10.0), (TRANSFERS, 10.0))
+
+    assert all(o[0] == "ok" for o in decode["outcomes"].values()), decode["outcomes"]
+    assert all(o[0] == "ok" for o in prefill["outcomes"].values()), prefill["outcomes"]
+    final, before, source = from_bytes(decode["caches"]), random_caches(DECODE_SEED), random_caches(PREFILL_SEED)
+    for tid, src_ids, dst_ids in TRANSFERS:
+        sent = from_bytes(prefill["sent"][tid])
+        assert torch.equal(sent, pack_blocks(source, src_ids))
+        assert torch.equal(pack_blocks(final, dst_ids), sent)
+    assert torch.equal(pack_blocks(final, [8, 9]), pack_blocks(before, [8, 9]))
+
+    payload = sum(payload_nbytes(len(src)) for _tid, src, _dst in TRANSFERS)
+    p, d = prefill["stats"], decode["stats"]
+    assert (p["transfers_ok"], p["transfers_failed"], p["bytes_sent"], p["bytes_received"]) == (3, 0, payload, 0)
+    assert (d["transfers_ok"], d["transfers_failed"], d["bytes_sent"], d["bytes_received"]) == (3, 0, 0, payload)
+    assert p["seconds_sending"] > 0 and d["seconds_receiving"] > 0
+    assert p["groups"] == d["groups"] == 1 and p["groups_created"] == d["groups_created"] == 1
+
+
+FAULT_TRANSFERS = [(1, [3, 7, 1], [0, 5, 2]), (2, [0, 4], [7, 8]), (3, [2, 6], [1, 9])]
+
+
+def test_injected_faults_fail_both_sides_then_the_pair_recovers(children):
+    timeout_s = 2.0
+    transfers = [(1, [3, 7, 1], [0, 5, 2]), (2, [0], [7]), (3, [2], [1]), (4, [4], [8]), (5, [6, 5], [9, 3])]
+    faults = FaultInjection(fail_transfer_ids=frozenset({2, 4}))
+    decode, prefill = children.run(
+        _decode_transfers, _prefill_transfers, (transfers, timeout_s), (transfers, timeout_s, faults)
+    )
+
+    po, do = prefill["outcomes"], decode["outcomes"]
+    assert [po[t][0] for t in range(1, 6)] == [do[t][0] for t in range(1, 6)] == ["ok", "error"] * 2 + ["ok"], (po, do)
+    for tid in (2, 4):
+        assert "injected" in po[tid][1] and f"transfer {tid} with 'd0'" in po[tid][1]
+        assert po[tid][2] < 0.5  # the sender fails at once
+        assert f"transfer {tid} from 'p0'" in do[tid][1] and "failed at the sender" in do[tid][1]
+        assert do[tid][2] < 0.5  # the sender's failure notice ends the receive at once
+
+    final, before, source = from_bytes(decode["caches"]), random_caches(DECODE_SEED), random_caches(PREFILL_SEED)
+    assert torch.equal(pack_blocks(final, [0, 5, 2, 1, 9, 3]), pack_blocks(source, [3, 7, 1, 2, 6, 5]))
+    assert torch.equal(pack_blocks(final, [4, 6, 7, 8]), pack_blocks(before, [4, 6, 7, 8]))  # failed ones wrote nothing
+
+    payload = payload_nbytes(3) + payload_nbytes(1) + payload_nbytes(2)
+    p, d = prefill["stats"], decode["stats"]
+    assert (p["transfers_ok"], p["transfers_failed"], p["bytes_sent"]) == (3, 2, payload)
+    assert (d["transfers_ok"], d["transfers_failed"], d["bytes_received"]) == (3, 2, payload)
+    # A sender-side failure leaves the group up: one group served all five transfers.
+    assert p["groups_created"] == d["groups_created"] == 1 and p["groups"] == d["groups"] == 1
+
+
+def test_receiver_timeout_then_the_pair_recovers_on_the_next_transfer(children):
+    """The sender is late for transfer 2: the receiver times out (and gloo closes the group's
+    connections), the late send fails on the closed group, both remake it for transfer 3."""
+    timeout_s = 2.0
+    delays = {2: timeout_s + 0.5}
+    decode, prefill = children.run(
+        _decode_transfers, _prefill_transfers, (FAULT_TRANSFERS, timeout_s), (FAULT_TRANSFERS, timeout_s, None, delays)
+    )
+
+    po, do = prefill["outcomes"], decode["outcomes"]
+    assert [po[t][0] for t in (1, 2, 3)] == [do[t][0] for t in (1, 2, 3)] == ["ok", "error", "ok"], (po, do)
+    assert "timed out" in do[2][1].lower() and timeout_s - 0.1 < do[2][2] < timeout_s + 1.5
+    assert po[2][2] < 1.0  # the late sender learns at once that the group is gone
+    final, before, source = from_bytes(decode["caches"]), random_caches(DECODE_SEED), random_caches(PREFILL_SEED)
+    assert torch.equal(pack_blocks(final, [1, 9]), pack_blocks(source, [2, 6]))
+    assert torch.equal(pack_blocks(final, [7, 8]), pack_blocks(before, [7, 8]))
+    for stats in (prefill["stats"], decode["stats"]):
+        assert (stats["transfers_ok"], stats["transfers_failed"], stats["groups_created"]) == (2, 1, 2)
+
+
+def test_header_mismatch_fails_the_transfer_then_the_pair_recovers(children):
+    expected = [(1, None, [0, 5, 2]), (2, None, [7, 8]), (3, None, [1, 9])]
+    sent = [(1, [3, 7, 1], None), (2, [0], None), (3, [2, 6], None)]  # 1 block where decode expects 2
+    decode, prefill = children.run(_decode_transfers, _prefill_transfers, (expected, 5.0), (sent, 5.0))
+
+    po, do = prefill["outcomes"], decode["outcomes"]
+    assert do[2][0] == "error" and "num_blocks 1 (expected 2)" in do[2][1], do
+    assert po[2][0] == "error" and po[2][2] < 2.0, po  # the receiver dropped the group: no waiting out
+    assert po[1][0] == do[1][0] == po[3][0] == do[3][0] == "ok", (po, do)
+    final, before, source = from_bytes(decode["caches"]), random_caches(DECODE_SEED), random_caches(PREFILL_SEED)
+    assert torch.equal(pack_blocks(final, [7, 8]), pack_blocks(before, [7, 8]))
+    assert torch.equal(pack_blocks(final, [1, 9]), pack_blocks(source, [2, 6]))
+
+
+def test_transfers_of_one_pair_match_by_id_in_any_order(children):
+    """The decode side posts its receives in the reverse order of the sends."""
+    expected = [(3, None, [1, 9]), (2, None, [7, 8]), (1, None, [0, 5, 2])]
+    sent = [(1, [3, 7, 1], None), (2, [0, 4], None), (3, [2, 6], None)]
+    decode, prefill = children.run(_decode_transfers_concurrently, _prefill_transfers, (expected, 5.0), (sent, 5.0))
+    assert all(o[0] == "ok" for o in {**prefill["outcomes"], **decode["outcomes"]}.values()), (prefill, decode)
+    final, source = from_bytes(decode["caches"]), random_caches(PREFILL_SEED)
+    assert torch.equal(pack_blocks(final, [0, 5, 2, 7, 8, 1, 9]), pack_blocks(source, [3, 7, 1, 0, 4, 2, 6]))
+
+
+def test_close_peer_and_new_session_rendezvous_again(children):
+    decode, prefill = children.run(_decode_sessions, _prefill_sessions)
+
+    assert prefill["stats_closed"]["groups"] == 0
+    assert prefill["after_close"][0] == "error" and "no group with 'd0'" in prefill["after_close"][1]
+    for stats in (prefill["stats_b"], decode["stats_b"]):
+        assert stats["groups"] == 1 and stats["groups_created"] == 2 and stats["transfers_ok"] == 2
+    assert decode["stats_closed"]["groups"] == 0
+    final, source = from_bytes(decode["caches"]), random_caches(PREFILL_SEED)
+    assert torch.equal(pack_blocks(final, [0, 5, 2, 7, 8]), pack_blocks(source, [3, 7, 1, 4, 6]))
+
+
+def test_receiver_times_out_when_the_peer_never_connects():
+    caches = random_caches(DECODE_SEED, torch.float32)
+    before = pack_blocks(caches, list(range(NUM_BLOCKS)))
+    with KVTransport("decode", "d0", "cpu", timeout_s=1.0) as kv:
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="'ghost'"):
+            kv.ensure_group("ghost", kv.address, "s")
+        assert time.monotonic() - start < 3.0
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="transfer 7 with 'ghost'"):
+            kv.recv_blocks("ghost", caches, [0, 1], 7)  # remakes the group: the peer is still absent
+        assert time.monotonic() - start < 3.0
+        with pytest.raises(KVTransferError, match="no group with 'nobody'"):
+            kv.recv_blocks("nobody", caches, [0], 8)
+        stats = kv.stats()
+    assert torch.equal(pack_blocks(caches, list(range(NUM_BLOCKS))), before)
+    assert (stats["transfers_ok"], stats["transfers_failed"], stats["groups"]) == (0, 2, 0)
+
+
+def test_concurrent_rendezvous_one_group_per_peer_and_no_head_of_line_blocking():
+    """Threads in one process. The decode side waits for a peer that never comes while two
+    threads race to make the group with p0: p0's group is made once, without waiting."""
+    src, dst = random_caches(PREFILL_SEED), random_caches(DECODE_SEED)
+    errors = {}
+
+    def run(name, fn, *args):
+        try:
+            fn(*args)
+        except Exception as e:  # checked below
+            errors[name] = e
+
+    with KVTransport("decode", "d0", "cpu", timeout_s=2) as decode, KVTransport("prefill", "p0", "cpu", timeout_s=2) as prefill:
+        ghost = threading.Thread(target=run, args=("ghost", decode.ensure_group, "ghost", decode.address, "s"))
+        ghost.start()
+        time.sleep(0.2)  # the ghost's rendezvous is waiting on the store now
+        start = time.monotonic()
+        calls = [("d0", decode.ensure_group, "p0", decode.address, "s"), ("d1", decode.ensure_group, "p0", decode.address, "s")]
+        calls.append(("p0", prefill.ensure_group, "d0", decode.address, "s"))
+        threads = [threading.Thread(target=run, args=call) for call in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert time.monotonic() - start < 1.0
+        assert decode.stats()["groups_created"] == prefill.stats()["groups_created"] == 1
+
+        sender = threading.Thread(target=run, args=("send", prefill.send_blocks, "d0", src, [3, 7, 1], 1))
+        sender.start()
+        decode.recv_blocks("p0", dst, [0, 5, 2], 1)
+        sender.join(10)
+        ghost.join(10)
+    assert set(errors) == {"ghost"} and isinstance(errors["ghost"], KVTransferError), errors
+    assert torch.equal(pack_blocks(dst, [0, 5, 2]), pack_blocks(src, [3, 7, 1]))
