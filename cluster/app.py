@@ -10,6 +10,10 @@ ClusterConfig in plain data.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
+
 from ray import serve
 from ray.serve import Application
 
@@ -27,15 +31,36 @@ def tier_options(tier: TierConfig) -> dict:
     return {"ray_actor_options": actor_options, **scaling}
 
 
+def code_version(*args) -> str:
+    """A deployment's version: what its replicas run (package version, arguments).
+
+    Serve restarts replicas whenever the version changes, and invents a random one when
+    none is given; a stable version lets a redeploy that only changes scaling (replica
+    counts, autoscaling) add or remove replicas without restarting the others.
+    """
+    digest = hashlib.sha256(repr(args).encode()).hexdigest()[:16]
+    return f"{importlib.metadata.version('pdserve')}-{digest}"
+
+
 def build_app(config: ClusterConfig) -> Application:
-    decode_deployment = serve.deployment(DecodeWorker, name="DecodeWorker", **tier_options(config.decode))
-    router_deployment = serve.deployment(Router, name="Router", **tier_options(config.router))
+    def deployment(cls, tier: TierConfig, *args):
+        d = serve.deployment(cls, name=cls.__name__, **tier_options(tier))
+        # Public options refuse `version` since Serve 2.x; `_internal` is the way Serve's own
+        # config deploys pass one (Ray is pinned, see pyproject.toml).
+        return d.options(version=code_version(cls.__name__, *args), _internal=True)
+
+    def engine_for(tier: TierConfig):
+        return dataclasses.replace(config.engine, num_threads=tier.torch_threads)
+
     if config.colocated:
-        decode = decode_deployment.bind(config)
-        return router_deployment.bind(config, decode)
-    prefill = serve.deployment(PrefillWorker, name="PrefillWorker", **tier_options(config.prefill)).bind(config)
-    decode = decode_deployment.bind(config, prefill)
-    return router_deployment.bind(config, decode, prefill)
+        decode_args = (engine_for(config.decode), config.transport)
+        decode = deployment(DecodeWorker, config.decode, *decode_args).bind(*decode_args)
+        return deployment(Router, config.router, config.engine, "colocated").bind(config.engine, decode)
+    prefill_args = (engine_for(config.prefill), config.transport)
+    prefill = deployment(PrefillWorker, config.prefill, *prefill_args).bind(*prefill_args)
+    decode_args = (engine_for(config.decode), config.transport)
+    decode = deployment(DecodeWorker, config.decode, *decode_args, "disaggregated").bind(*decode_args, prefill)
+    return deployment(Router, config.router, config.engine, "disaggregated").bind(config.engine, decode, prefill)
 
 
 def app_builder(args: dict) -> Application:

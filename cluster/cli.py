@@ -82,6 +82,12 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return run_engine_bench(args)
 
 
+def _cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from cluster.bench.cluster_bench import run_cluster_bench
+
+    return run_cluster_bench(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster.serve_main import run_serve
 
@@ -138,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     be.add_argument("--result-dir", default="bench-results")
     be.set_defaults(fn=_cmd_bench_engine)
+
+    bc = bsub.add_parser("cluster", help="end-to-end TTFT/TPOT: colocated against 1P1D on a local Ray")
+    bc.add_argument("--model", required=True)
+    bc.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    bc.add_argument("--num-prompts", type=int, default=16)
+    bc.add_argument("--input-len", type=int, default=512)
+    bc.add_argument("--output-len", type=int, default=64)
+    bc.add_argument("--concurrency", type=int, default=4)
+    bc.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of each engine")
+    bc.add_argument("--torch-threads", type=int, default=1, help="per replica")
+    bc.add_argument("--rounds", type=int, default=2)
+    bc.add_argument("--result-dir", default="bench-results")
+    bc.set_defaults(fn=_cmd_bench_cluster)
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
     s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny model)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -32,6 +33,13 @@ def config_from_args(args):
     )
 
 
+def cpus_requested(config) -> float:
+    tiers = [(config.decode, config.decode.num_replicas), (config.router, config.router.num_replicas)]
+    if not config.colocated:
+        tiers.append((config.prefill, config.prefill.num_replicas))
+    return sum(t.num_cpus * n for t, n in tiers)
+
+
 def run_serve(args) -> int:
     import dataclasses
 
@@ -50,9 +58,13 @@ def run_serve(args) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        ray.init(address=args.address or os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        # A local Ray gets enough logical CPUs for every replica's reservation; the real
+        # use of the cores is bounded by each replica's torch threads.
+        local_cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_requested(config)))
+        ray.init(address=address, num_cpus=local_cpus, include_dashboard=False)
         serve.start(http_options={"host": "127.0.0.1", "port": config.http_port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(config), name=APP_NAME, route_prefix=None)  # HTTP gateway: not built yet
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
         print(f"pdserve is up: {tiers} replicas of {config.engine.model}. Ctrl-C stops it.", file=sys.stderr)
         try:

@@ -15,12 +15,11 @@ Every path returns the request's blocks: finish, abort, failed transfer, error.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
 
-from cluster.config import ClusterConfig
+from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine, RequestOutput
 from cluster.kv.transport import KVTransferError, KVTransport
@@ -39,16 +38,17 @@ class TransferFailedError(RuntimeError):
 
 
 class DecodeWorker:
-    def __init__(self, config: ClusterConfig, prefill_handle=None):
-        engine_config = dataclasses.replace(config.engine, num_threads=config.decode.torch_threads)
+    def __init__(self, engine_config: EngineConfig, transport: TransportConfig, prefill_handle=None):
+        """Without a prefill handle the worker is colocated. Arguments are only what the
+        replica runs on: scaling a tier must not change them (Serve would restart it)."""
         self.worker_id = f"decode-{uuid.uuid4().hex[:8]}"
-        self.colocated = config.colocated or prefill_handle is None
-        self.policy = config.transport.failure_policy
+        self.colocated = prefill_handle is None
+        self.policy = transport.failure_policy
         self.engine = AsyncEngine(Engine(engine_config))
         self.prefill = prefill_handle
         self.transport = None
         if not self.colocated:
-            self.transport = KVTransport("decode", self.worker_id, engine_config.device, timeout_s=config.transport.timeout_s)
+            self.transport = KVTransport("decode", self.worker_id, engine_config.device, timeout_s=transport.timeout_s)
         self._kv_caches = self.engine.engine.runner.kv_caches
         self._counts = {"transfers_failed": 0, "recomputed": 0}
         self._closed = False

@@ -20,7 +20,7 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster.config import ClusterConfig
+from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, config: ClusterConfig):
-        engine_config = dataclasses.replace(config.engine, num_threads=config.prefill.torch_threads)
+    def __init__(self, engine_config: EngineConfig, transport: TransportConfig):
+        """Arguments are only what the replica runs on: scaling a tier (num_replicas,
+        autoscaling) must not change them, or Serve would restart the replicas."""
         self.worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = AsyncEngine(Engine(engine_config))
-        t = config.transport
+        t = transport
         self.transport = KVTransport(
             "prefill",
             self.worker_id,

@@ -12,7 +12,7 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator
 
-from cluster.config import ClusterConfig
+from cluster.config import EngineConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.sampling_params import SamplingParams
@@ -20,9 +20,8 @@ from decode_worker.messages import GenerateRequest
 
 
 class Router:
-    def __init__(self, config: ClusterConfig, decode_handle, prefill_handle=None):
-        self.config = config
-        self.inputs = InputProcessor.from_model_dir(config.engine.model, config.engine.max_model_len)
+    def __init__(self, engine_config: EngineConfig, decode_handle, prefill_handle=None):
+        self.inputs = InputProcessor.from_model_dir(engine_config.model, engine_config.max_model_len)
         self.decode = decode_handle
         self.prefill = prefill_handle
         self._ids = itertools.count()

@@ -225,7 +225,14 @@ class Engine:
 
     def _sample_input(self, request_id: str) -> SampleInput:
         r = self._outputs[request_id].request
-        return SampleInput(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
+        return SampleInput(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r), self._banned(r))
+
+    def _banned(self, request: Request) -> tuple[int, ...]:
+        """Before min_tokens, stop tokens cannot be sampled (vLLM's min_tokens)."""
+        if len(request.output_token_ids) >= request.params.min_tokens:
+            return ()
+        eos = () if request.params.ignore_eos else tuple(request.eos_token_ids)
+        return eos + request.params.stop_token_ids
 
     def _generator(self, request: Request) -> torch.Generator | None:
         """A seeded request draws token i from a generator seeded by (seed, i): the same

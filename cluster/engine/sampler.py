@@ -51,6 +51,8 @@ class SampleInput:
     output_token_ids: Sequence[int]
     # Per-request generator, seeded from params.seed by the caller; None = global RNG.
     generator: torch.Generator | None = None
+    # Tokens this row must not produce now (eos and stop tokens before min_tokens, as vLLM).
+    banned_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -179,8 +181,13 @@ class Sampler:
             raw = raw.contiguous()
         device = raw.device
 
-        # (2) penalties -> `work` (== raw when no row uses any)
+        # (2) penalties -> `work` (== raw when no row uses any); banned tokens -> -inf
         work = self._apply_penalties(raw, rows)
+        banned = [(i, r.banned_token_ids) for i, r in enumerate(rows) if r.banned_token_ids]
+        if banned:
+            work = work.clone() if work is raw else work
+            for i, ids in banned:
+                work[i, torch.tensor(ids, dtype=torch.long, device=device)] = float("-inf")
 
         tokens = torch.empty(n, dtype=torch.long, device=device)
         greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]

@@ -220,6 +220,7 @@ class _Pair:
     pg: object | None = None  # the live group, or None when (yet to be) (re)made
     generation: int = 0  # groups of this session that died; names the next one
     closed: bool = False
+    last_used: float = field(default_factory=time.monotonic)  # start of the latest transfer
 
 
 @dataclass
@@ -249,6 +250,7 @@ class KVTransport:
         timeout_s: float = 30.0,
         host: str = "127.0.0.1",
         fault_injection: FaultInjection | None = None,
+        idle_timeout_s: float = 600.0,
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -258,6 +260,9 @@ class KVTransport:
         self.worker_id = worker_id
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
+        if idle_timeout_s <= timeout_s:
+            raise ValueError("idle_timeout_s must exceed timeout_s (a transfer in flight is never idle)")
+        self.idle_timeout_s = float(idle_timeout_s)
         self.host = host
         self._timeout = timedelta(seconds=timeout_s)
         self._faults = fault_injection or FaultInjection()
@@ -283,6 +288,7 @@ class KVTransport:
         session replaces the peer's old group. Later calls with the same session return
         once the first one is done, without raising: should the group be down, the next
         transfer remakes it. The decode side passes its own address (ignored there)."""
+        self._reap_idle()
         pair, created, replaced = self._register(peer_id, tuple(store_address), session)
         if replaced is not None:
             self._discard(replaced)
@@ -295,6 +301,18 @@ class KVTransport:
             return
         if not pair.ready.wait(self.timeout_s):
             raise KVTransferError(f"{self.worker_id}: timed out waiting for another thread's group with {peer_id!r}")
+
+    def _reap_idle(self) -> None:
+        """Tear down groups with peers that sent nothing for idle_timeout_s: replicas that
+        went away (scaled down, restarted) leave no sockets or threads behind."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [p for p in self._pairs.values() if now - p.last_used > self.idle_timeout_s]
+            for pair in idle:
+                del self._pairs[pair.peer_id]
+        for pair in idle:
+            log.info("%s: closing the KV group with idle peer %s", self.worker_id, pair.peer_id)
+            self._discard(pair)
 
     def close_peer(self, peer_id: str) -> None:
         """Forget a peer and tear its group down (idempotent). A transfer in flight with it
@@ -411,6 +429,8 @@ class KVTransport:
             pair = self._pairs.get(peer_id)
             if pair is None:
                 self._counters.transfers_failed += 1
+            else:
+                pair.last_used = time.monotonic()
         if pair is None:
             raise KVTransferError(f"{self.worker_id}: transfer {transfer_id}: no group with {peer_id!r}; call ensure_group first")
         return pair

@@ -99,14 +99,20 @@ def wait_until(predicate, timeout_s=20.0):
 @pytest.mark.parametrize("prefill, decode", [(1, 1), (2, 1), (1, 2)])
 def test_disaggregated_equals_colocated(ray_local, engine_config, expected, prefill, decode):
     router = deploy(engine_config, prefill, decode)
+
+    def bytes_moved():
+        stats = router.worker_stats.remote().result()
+        assert len(stats["prefill"]) == prefill and len(stats["decode"]) == decode
+        sent = sum(s["transport"]["bytes_sent"] for s in stats["prefill"].values())
+        return sent, sum(s["transport"]["bytes_received"] for s in stats["decode"].values())
+
+    # Replicas kept from an earlier deployment (a redeploy only rescales) keep their counters.
+    sent_before, received_before = bytes_moved()
     results = asyncio.run(run_all(router))
     assert [t for t, _ in results] == expected
     assert all(f == "length" for _, f in results)
-    stats = router.worker_stats.remote().result()
-    assert len(stats["prefill"]) == prefill and len(stats["decode"]) == decode
-    sent = sum(s["transport"]["bytes_sent"] for s in stats["prefill"].values())
-    received = sum(s["transport"]["bytes_received"] for s in stats["decode"].values())
-    assert sent == received > 0
+    sent, received = bytes_moved()
+    assert sent - sent_before == received - received_before > 0
     assert wait_until(lambda: all_blocks_returned(router))
 
 
@@ -147,6 +153,33 @@ def test_cancelled_stream_aborts_and_frees_blocks_on_both_tiers(ray_local, engin
     stats = router.worker_stats.remote().result()
     (decode,) = stats["decode"].values()
     assert decode["finished"] == {"abort": 1}
+
+
+def test_decode_tier_scales_up_and_down_without_restarts_or_stranded_blocks(ray_local, engine_config, expected):
+    config = dataclasses.replace(engine_config, max_model_len=512)
+    router = deploy(config, decode=1)
+    (first_decode,) = router.worker_stats.remote().result()["decode"]
+    long = dataclasses.replace(GREEDY, max_tokens=400)
+
+    async def scale_while_streaming():
+        running = asyncio.ensure_future(collect(router, PROMPTS[0], long))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(deploy, config, 1, 2)  # redeploy: one more decode replica
+        tokens, finish = await running
+        return tokens, finish
+
+    tokens, finish = asyncio.run(scale_while_streaming())
+    assert len(tokens) == 400 and finish == "length"  # the running stream was not interrupted
+    decodes = router.worker_stats.remote().result()["decode"]
+    assert len(decodes) == 2 and first_decode in decodes  # the first replica was not restarted
+    results = asyncio.run(run_all(router, PROMPTS * 2))
+    assert [t for t, _ in results] == expected * 2
+    served = {wid: sum(s["finished"].values()) for wid, s in router.worker_stats.remote().result()["decode"].items()}
+    assert all(n > 0 for n in served.values()), served  # the new replica takes requests
+
+    deploy(config, decode=1)  # scale back down
+    assert wait_until(lambda: len(router.worker_stats.remote().result()["decode"]) == 1)
+    assert wait_until(lambda: all_blocks_returned(router))
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

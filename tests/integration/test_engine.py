@@ -56,6 +56,8 @@ def test_stop_token_ids_and_min_tokens(engine):
         ["abc"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at], min_tokens=first + 2)
     )[0]
     assert len(out.token_ids) >= first + 2
+    # Before min_tokens the stop token cannot even be sampled (vLLM semantics).
+    assert stop_at not in out.token_ids[: first + 2 - 1]
 
 
 @pytest.mark.parametrize(

@@ -425,3 +425,24 @@ def test_concurrent_rendezvous_one_group_per_peer_and_no_head_of_line_blocking()
         ghost.join(10)
     assert set(errors) == {"ghost"} and isinstance(errors["ghost"], KVTransferError), errors
     assert torch.equal(pack_blocks(dst, [0, 5, 2]), pack_blocks(src, [3, 7, 1]))
+
+
+def test_groups_with_idle_peers_are_torn_down():
+    """A replica that went away stops using its group: the next rendezvous with anyone
+    closes groups idle for longer than idle_timeout_s."""
+    src, dst = random_caches(PREFILL_SEED), random_caches(DECODE_SEED)
+    with KVTransport("decode", "d0", "cpu", timeout_s=0.5, idle_timeout_s=1.0) as decode, KVTransport(
+        "prefill", "p0", "cpu", timeout_s=0.5, idle_timeout_s=1.0
+    ) as prefill:
+        sender = threading.Thread(target=prefill.ensure_group, args=("d0", decode.address, "s"))
+        sender.start()
+        decode.ensure_group("p0", decode.address, "s")
+        sender.join(10)
+        assert decode.stats()["groups"] == prefill.stats()["groups"] == 1
+        time.sleep(1.2)  # p0 goes quiet
+        with pytest.raises(KVTransferError):
+            decode.ensure_group("p1", decode.address, "s")  # p1 never comes; p0's group is reaped meanwhile
+        assert decode.stats()["groups"] == 0
+        with pytest.raises(KVTransferError, match="no group with 'p0'"):
+            decode.recv_blocks("p0", dst, [0], 1)
+    assert torch.equal(pack_blocks(dst, [0]), pack_blocks(random_caches(DECODE_SEED), [0]))

@@ -446,3 +446,16 @@ def test_logprob_ignores_penalties_and_temperature():
         assert t.token_id == 7
         assert t.logprob == pytest.approx(ref[i, 7].item(), abs=1e-5)
         assert t.top_logprobs[0] == (7, pytest.approx(ref[i, 7].item(), abs=1e-5))
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.zeros(2, 8)
+    logits[:, 3] = 10.0  # the favourite
+    rows = [
+        SampleInput(SP(temperature=0.0), [], [], banned_token_ids=(3,)),
+        SampleInput(SP(temperature=1.0, seed=1), [], [], make_generator(1), banned_token_ids=(3, 4)),
+    ]
+    for _ in range(50):
+        out = Sampler()(logits, rows)
+        assert out[0].token_id != 3 and out[1].token_id not in (3, 4)
+    assert Sampler()(logits[:1], [SampleInput(SP(temperature=0.0), [], [])])[0].token_id == 3
