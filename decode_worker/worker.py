@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 
 from cluster.config import EngineConfig, TransportConfig
@@ -27,6 +28,9 @@ from decode_worker.messages import GenerateRequest
 from prefill_worker.messages import PrefillRequest, PrefillResult
 
 log = logging.getLogger(__name__)
+
+RESERVE_TIMEOUT_S = 60.0
+RECEIVER_THREADS = 32  # receives wait on peers; a stalled one must not queue the others
 
 
 class KVCacheFullError(RuntimeError):
@@ -50,6 +54,7 @@ class DecodeWorker:
         if not self.colocated:
             self.transport = KVTransport("decode", self.worker_id, engine_config.device, timeout_s=transport.timeout_s)
         self._kv_caches = self.engine.engine.runner.kv_caches
+        self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix="kv-recv")
         self._counts = {"transfers_failed": 0, "recomputed": 0}
         self._closed = False
 
@@ -58,9 +63,7 @@ class DecodeWorker:
             async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id):
                 yield out
             return
-        reserved = await self.engine.call(lambda e: e.add_remote_request(req.prompt_token_ids, req.params, req.request_id))
-        if reserved is None:
-            raise KVCacheFullError(f"decode worker {self.worker_id} has no room for {len(req.prompt_token_ids)} tokens")
+        reserved = await self._reserve(req)
         abort_on_exit = True
         try:
             _, block_ids, num_cached = reserved
@@ -75,7 +78,8 @@ class DecodeWorker:
                     num_blocks=len(block_ids),
                 )
             )
-            receiving = asyncio.ensure_future(asyncio.to_thread(self._receive, result, block_ids))
+            loop = asyncio.get_running_loop()
+            receiving = loop.run_in_executor(self._receivers, self._receive, result, block_ids)
             try:
                 kv_received = await asyncio.shield(receiving)
             except asyncio.CancelledError:
@@ -89,6 +93,19 @@ class DecodeWorker:
         finally:
             if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation
                 self.engine.abort(req.request_id)
+
+    async def _reserve(self, req: GenerateRequest) -> tuple[str, list[int], int]:
+        """Blocks for the prompt; while the cache is full, wait for running requests to
+        finish (they always do) up to RESERVE_TIMEOUT_S."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESERVE_TIMEOUT_S
+        while True:
+            reserved = await self.engine.call(lambda e: e.add_remote_request(req.prompt_token_ids, req.params, req.request_id))
+            if reserved is not None:
+                return reserved
+            if loop.time() > deadline:
+                raise KVCacheFullError(f"decode worker {self.worker_id} had no room for {len(req.prompt_token_ids)} tokens")
+            await asyncio.sleep(0.02)
 
     def _receive(self, result: PrefillResult, block_ids: list[int]) -> bool:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
@@ -118,6 +135,7 @@ class DecodeWorker:
         if self._closed:
             return
         self._closed = True
+        self._receivers.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             self.transport.close()
         self.engine.shutdown()

@@ -28,6 +28,8 @@ from prefill_worker.messages import PrefillRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
+SENDER_THREADS = 8
+
 
 class PrefillWorker:
     def __init__(self, engine_config: EngineConfig, transport: TransportConfig):
@@ -45,7 +47,9 @@ class PrefillWorker:
         )
         self.session = uuid.uuid4().hex[:8]  # new per process: a restarted worker gets fresh groups
         self._transfer_ids = itertools.count()
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
+        # Several senders: a decode worker that stopped receiving stalls only its own
+        # transfers (each bounded by the timeout), not everyone else's.
+        self._sender = ThreadPoolExecutor(max_workers=SENDER_THREADS, thread_name_prefix="kv-send")
         self._kv_caches = self.engine.engine.runner.kv_caches
         self.block_size = engine_config.cache.block_size
         self._closed = False

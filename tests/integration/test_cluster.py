@@ -116,6 +116,15 @@ def test_disaggregated_equals_colocated(ray_local, engine_config, expected, pref
     assert wait_until(lambda: all_blocks_returned(router))
 
 
+def test_tight_kv_caches_wait_and_preempt_but_tokens_stay_equal(ray_local, engine_config, expected):
+    """34 blocks of 8 tokens per worker: the 8 concurrent requests do not fit at once, so
+    decode reservations wait and running requests are preempted and recomputed."""
+    tight = dataclasses.replace(engine_config, cache=dataclasses.replace(engine_config.cache, num_blocks=34))
+    router = deploy(tight)
+    assert [t for t, _ in asyncio.run(run_all(router))] == expected
+    assert wait_until(lambda: all_blocks_returned(router))
+
+
 def test_colocated_mode_matches(ray_local, engine_config, expected):
     router = deploy(engine_config, colocated=True)
     assert [t for t, _ in asyncio.run(run_all(router))] == expected
