@@ -63,10 +63,11 @@ class DecodeWorker:
             async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id):
                 yield out
             return
-        reserved = await self._reserve(req)
         abort_on_exit = True
         try:
-            _, block_ids, num_cached = reserved
+            # Inside the try: a cancellation while reserving still aborts (the inbox keeps
+            # the reserve-then-abort order on the engine thread).
+            _, block_ids, num_cached = await self._reserve(req)
             result: PrefillResult = await self.prefill.prefill.remote(
                 PrefillRequest(
                     request_id=req.request_id,

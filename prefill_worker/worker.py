@@ -84,6 +84,8 @@ class PrefillWorker:
             self.transport.send_blocks(req.decode_id, self._kv_caches, block_ids, transfer_id)
         except KVTransferError as e:
             log.warning("KV transfer %d of %s failed: %s", transfer_id, req.request_id, e)
+        except Exception:  # nobody awaits this thread: say what broke
+            log.exception("KV transfer %d of %s failed unexpectedly", transfer_id, req.request_id)
         finally:
             self.engine.abort(req.request_id)  # releases the held blocks, on the engine thread
 
