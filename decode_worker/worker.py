@@ -55,7 +55,7 @@ class DecodeWorker:
             self.transport = KVTransport("decode", self.worker_id, engine_config.device, timeout_s=transport.timeout_s)
         self._kv_caches = self.engine.engine.runner.kv_caches
         self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix="kv-recv")
-        self._counts = {"transfers_failed": 0, "recomputed": 0}
+        self._counts = {"recomputed": 0}  # transfer failures: see the transport's counters
         self._closed = False
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -115,7 +115,6 @@ class DecodeWorker:
             self.transport.recv_blocks(result.prefill_id, self._kv_caches, block_ids, result.transfer_id)
             return True
         except KVTransferError as e:
-            self._counts["transfers_failed"] += 1
             if self.policy == "fail":
                 raise TransferFailedError(f"KV transfer from {result.prefill_id} failed: {e}") from e
             log.warning("KV transfer %d failed, recomputing the prompt here: %s", result.transfer_id, e)

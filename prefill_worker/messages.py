@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from cluster.engine.engine import TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
-
-StoreAddress = tuple[str, int]
+from cluster.kv.transport import StoreAddress
 
 
 @dataclass(frozen=True)
@@ -29,4 +28,3 @@ class PrefillResult:
     transfer_id: int  # matches the decode's receive to this send
     first_token_id: int
     first_logprob: TokenLogprob | None
-    num_computed_tokens: int  # prompt tokens this prefill computed (not from its cache)

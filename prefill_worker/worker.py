@@ -75,7 +75,6 @@ class PrefillWorker:
             transfer_id=transfer_id,
             first_token_id=out.new_token_ids[0],
             first_logprob=out.logprobs[0] if out.logprobs else None,
-            num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens,
         )
 
     def _send_then_release(self, req: PrefillRequest, block_ids: list[int], transfer_id: int) -> None:

@@ -86,8 +86,7 @@ class AsyncEngine:
         """Stream deltas until the request finishes. Bad input raises before any work."""
         self._check_open()
         params = params or SamplingParams()
-        ids = self.engine.tokenize(prompt)
-        self.engine.validate_length(len(ids), params)
+        ids = self.engine.inputs.process(prompt, params)  # in the caller: bad input costs no engine time
         request_id = request_id or f"async-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._post(_Add(request_id, ids, params, hold_kv, sink))

@@ -119,12 +119,6 @@ class Engine:
         return cls(EngineConfig(model=model, cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(), **kwargs))
 
     # ---- requests ------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return self.inputs.tokenize(prompt)
-
-    def validate_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        self.inputs.validate_length(num_prompt_tokens, params)
-
     def add_request(
         self,
         prompt: Prompt,
@@ -143,8 +137,7 @@ class Engine:
 
     def _new_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, hold_kv: bool) -> Request:
         params = params or SamplingParams()
-        ids = self.tokenize(prompt)
-        self.validate_length(len(ids), params)
+        ids = self.inputs.process(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._outputs or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
