@@ -1,7 +1,7 @@
 """Builds the Ray Serve application from a ClusterConfig.
 
-    Router (ingress) --> DecodeWorker --(prefill call)--> PrefillWorker
-                              ^------ KV blocks over torch.distributed ----'
+    Gateway (ingress: HTTP + gRPC) --> DecodeWorker --(prefill call)--> PrefillWorker
+                                            ^------ KV blocks over torch.distributed ----'
 
 Colocated mode drops the prefill tier: each DecodeWorker runs both phases.
 `app_builder` is the entry point of `serve deploy deploy/serve.yaml`; its `args` are a
@@ -20,7 +20,7 @@ from ray.serve import Application
 from cluster.config import ClusterConfig, TierConfig, from_dict
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
-from router.router import Router
+from router.gateway import Gateway
 
 
 def tier_options(tier: TierConfig) -> dict:
@@ -28,7 +28,18 @@ def tier_options(tier: TierConfig) -> dict:
     if tier.resources:
         actor_options["resources"] = dict(tier.resources)
     scaling = {"autoscaling_config": tier.autoscaling} if tier.autoscaling else {"num_replicas": tier.num_replicas}
-    return {"ray_actor_options": actor_options, **scaling}
+    return {"ray_actor_options": actor_options, "max_ongoing_requests": tier.max_ongoing_requests, **scaling}
+
+
+# The proxies' gRPC services: ours and the standard health service, both routed to the Gateway.
+GRPC_SERVICER_FUNCTIONS = (
+    "protos.pdserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+
+
+def grpc_options(port: int) -> dict:
+    return {"port": port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)}
 
 
 def code_version(*args) -> str:
@@ -52,15 +63,18 @@ def build_app(config: ClusterConfig) -> Application:
     def engine_for(tier: TierConfig):
         return dataclasses.replace(config.engine, num_threads=tier.torch_threads)
 
+    gateway_args = (config.engine, config.gateway, config.redis_url)
+    # The gateway config's repr leaves out the API keys; their digest still versions it.
+    gateway_version = (*gateway_args, hashlib.sha256("\n".join(config.gateway.api_keys).encode()).hexdigest())
     if config.colocated:
         decode_args = (engine_for(config.decode), config.transport)
         decode = deployment(DecodeWorker, config.decode, *decode_args).bind(*decode_args)
-        return deployment(Router, config.router, config.engine, "colocated").bind(config.engine, decode)
+        return deployment(Gateway, config.router, *gateway_version, "colocated").bind(*gateway_args, decode)
     prefill_args = (engine_for(config.prefill), config.transport)
     prefill = deployment(PrefillWorker, config.prefill, *prefill_args).bind(*prefill_args)
     decode_args = (engine_for(config.decode), config.transport)
     decode = deployment(DecodeWorker, config.decode, *decode_args, "disaggregated").bind(*decode_args, prefill)
-    return deployment(Router, config.router, config.engine, "disaggregated").bind(config.engine, decode, prefill)
+    return deployment(Gateway, config.router, *gateway_version, "disaggregated").bind(*gateway_args, decode, prefill)
 
 
 def app_builder(args: dict) -> Application:

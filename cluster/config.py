@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -87,10 +87,38 @@ class TierConfig:
     num_gpus: float = 0.0
     resources: dict | None = None  # custom resources, e.g. {"prefill_node": 0.01} to pin a tier to its nodes
     torch_threads: int = 1  # torch intra-op threads per replica (replicas share the cores)
+    # Requests Serve hands one replica at once (Serve's default is 5). Workers queue
+    # inside their engine and the gateway admits on its own limits, so this is only a
+    # ceiling; too low a value would silently cap the decode batch.
+    max_ongoing_requests: int = 1024
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 0 or self.torch_threads < 1:
-            raise ValueError("num_replicas must be >= 0 and torch_threads >= 1")
+        if self.num_replicas < 0 or self.torch_threads < 1 or self.max_ongoing_requests < 1:
+            raise ValueError("num_replicas must be >= 0, torch_threads and max_ongoing_requests >= 1")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The HTTP and gRPC edge: keys, admission and rate limits (per gateway replica,
+    except the rate limit, whose buckets live in Redis and so are shared)."""
+
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth; never logged
+    max_running_requests: int = 256  # requests streaming at once
+    max_queued_requests: int = 256  # admitted requests waiting for a running slot
+    queue_timeout_s: float = 30.0  # a queued request gives up (503) after this
+    retry_after_s: int = 1  # Retry-After on 429/503
+    rate_limit_rps: float = 0.0  # per API key, token bucket refill; 0 disables
+    rate_limit_burst: int = 0  # bucket size (default: max(1, rate_limit_rps))
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    ready_timeout_s: float = 20.0  # /ready's one-token generation must finish within this
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1 or self.max_queued_requests < 0:
+            raise ValueError("max_running_requests must be >= 1 and max_queued_requests >= 0")
+        if self.rate_limit_rps < 0 or self.rate_limit_burst < 0 or self.max_body_bytes < 1:
+            raise ValueError("rate limits must be >= 0 and max_body_bytes >= 1")
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ValueError("API keys must be non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,7 @@ class ClusterConfig:
     http_port: int = 8000
     grpc_port: int = 9000
     redis_url: str | None = None
+    gateway: GatewayConfig = GatewayConfig()
 
 
 def from_dict(cls, data: dict):

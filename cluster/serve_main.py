@@ -14,13 +14,22 @@ APP_NAME = "pdserve"
 
 def config_from_args(args):
     from cluster.cli import builtin_model_dir
-    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, TierConfig
+    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, TierConfig
+    from router.auth import load_api_keys
 
     engine = EngineConfig(
         model=args.model or str(builtin_model_dir()),
         dtype=args.dtype,
+        served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,
         cache=CacheConfig(memory_gib=args.kv_cache_gib),
+    )
+    gateway = GatewayConfig(
+        api_keys=load_api_keys(args.api_key, args.api_key_file),
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        rate_limit_rps=args.rate_limit_rps,
+        rate_limit_burst=args.rate_limit_burst,
     )
     return ClusterConfig(
         engine=engine,
@@ -30,6 +39,7 @@ def config_from_args(args):
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         redis_url=args.redis_url,
+        gateway=gateway,
     )
 
 
@@ -46,7 +56,7 @@ def run_serve(args) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.app import build_app, grpc_options
     from cluster.redis_server import PrivateRedis
 
     config = config_from_args(args)
@@ -63,10 +73,12 @@ def run_serve(args) -> int:
         # use of the cores is bounded by each replica's torch threads.
         local_cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_requested(config)))
         ray.init(address=address, num_cpus=local_cpus, include_dashboard=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": config.http_port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix=None)  # HTTP gateway: not built yet
+        serve.start(http_options={"host": args.host, "port": config.http_port}, grpc_options=grpc_options(config.grpc_port))
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
-        print(f"pdserve is up: {tiers} replicas of {config.engine.model}. Ctrl-C stops it.", file=sys.stderr)
+        print(f"pdserve is up: {tiers} replicas of {config.engine.model}.", file=sys.stderr)
+        print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
+        print(f"  auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.", file=sys.stderr)
         try:
             while not stop.wait(1.0):
                 pass

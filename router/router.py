@@ -1,13 +1,18 @@
-"""Router: the ingress. Validates and tokenizes at the edge, then streams a request's
-deltas from a decode worker (which pairs itself with a prefill worker).
+"""Router: the one narrow interface the gateways use.
 
-The gateways (HTTP, gRPC) depend only on `generate(prompt, params) -> AsyncIterator`.
+    generate(prompt, params) -> AsyncIterator[RequestOutput]
+
+It validates and tokenizes at the edge (bad input raises InvalidRequestError before any
+worker is involved), streams a request's deltas from a decode worker (which pairs
+itself with a prefill worker), and observes each stream's latency. A stream its
+consumer abandons is cancelled, which aborts the request on every tier.
 Which replicas serve a request is Ray Serve's choice for now (its default router
 balances by queue length); KV-cache-aware pairing replaces it in the routing work.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -17,26 +22,44 @@ from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.sampling_params import SamplingParams
 from decode_worker.messages import GenerateRequest
+from router.metrics import GatewayMetrics
 
 
 class Router:
-    def __init__(self, engine_config: EngineConfig, decode_handle, prefill_handle=None):
+    def __init__(self, engine_config: EngineConfig, decode_handle, prefill_handle=None, metrics: GatewayMetrics | None = None):
         self.inputs = InputProcessor.from_model_dir(engine_config.model, engine_config.max_model_len)
         self.decode = decode_handle
         self.prefill = prefill_handle
+        self.metrics = metrics or GatewayMetrics(replica=uuid.uuid4().hex[:8])
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
+
+    def new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas; bad input raises InvalidRequestError before any worker is involved."""
         params = params or SamplingParams()
         ids = self.inputs.process(prompt, params)
-        request_id = request_id or f"{self._prefix}-{next(self._ids)}"
+        request_id = request_id or self.new_request_id()
+        timer = self.metrics.track()
         stream = self.decode.options(stream=True).generate.remote(GenerateRequest(request_id, ids, params))
-        async for out in stream:
-            yield out
+        status, finish_reason = "error", None
+        try:
+            async for out in stream:
+                if out.new_token_ids:
+                    timer.output()
+                if out.finished:
+                    status, finish_reason = ("ok" if out.finish_reason != "abort" else "aborted"), out.finish_reason
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        finally:
+            if finish_reason is None:
+                stream.cancel()  # abandoned or failed: abort on the decode (and prefill) tier
+            timer.finish(status, finish_reason)
 
     async def worker_stats(self) -> dict:
         """{tier: {worker_id: stats}} for every running replica of each tier.

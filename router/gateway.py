@@ -1,0 +1,259 @@
+"""The gateway: pdserve's Serve ingress, serving the OpenAI HTTP API and the gRPC API.
+
+    HTTP  --Serve proxy-->  Gateway (FastAPI routes)  --\\
+                                                          Router.generate --> DecodeWorker ...
+    gRPC  --Serve proxy-->  Gateway.Generate/Abort/...  --/
+
+In front of every route and RPC (but /health, /metrics and grpc.health.v1): the API key;
+in front of every generation: the per-key rate limit (Redis), then admission (running and
+queued slots of this replica). Errors have one table (router/errors.py) for both APIs.
+"""
+
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.config import EngineConfig, GatewayConfig
+from protos.pdserve.v1 import generation_pb2 as pb
+from router import protocol as p
+from router.admission import Admission
+from router.auth import ApiKeyAuth
+from router.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, RateLimited, Unavailable, from_exception
+from router.grpc_serving import GrpcServing, metadata, set_error
+from router.metrics import CONTENT_TYPE, GatewayMetrics
+from router.openai_serving import OpenAIServing
+from router.rate_limit import RateLimiter
+from router.router import Router
+
+log = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+ERRORS = {
+    status: {"model": p.ErrorResponse, "description": description}
+    for status, description in {
+        400: "Invalid parameters, or prompt + max_tokens over the context length",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Request body over the limit",
+        429: "Rate limit of this API key (see Retry-After)",
+        500: "Internal error",
+        503: "Overloaded or a worker unavailable (see Retry-After)",
+    }.items()
+}
+STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or SSE with stream=true"}}
+
+
+def _error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+def _respond(result):
+    """A JSON body, or an SSE stream for an async iterator of events."""
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return result
+
+
+class EdgeGuard:
+    """ASGI middleware: API key and body size, before any route runs. Pure ASGI (not
+    BaseHTTPMiddleware) so streaming responses and client disconnects pass untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        gateway: Gateway = scope["app"].state.gateway
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            scope.setdefault("state", {})["api_key"] = gateway.auth.check(headers.get("authorization"))
+            limit = gateway.config.max_body_bytes
+            if int(headers.get("content-length") or 0) > limit:
+                raise PayloadTooLarge(f"request body over the limit of {limit} bytes")
+        except GatewayError as e:
+            gateway.metrics.rejected.labels(gateway.metrics.replica, str(e.status)).inc()
+            return await _error_response(e)(scope, receive, send)
+        except ValueError:
+            return await _error_response(BadRequest("invalid Content-Length"))(scope, receive, send)
+        received = 0
+
+        async def limited_receive():  # bodies without Content-Length (chunked) are counted
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise PayloadTooLarge(f"request body over the limit of {limit} bytes")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+api = FastAPI(
+    title="pdserve",
+    summary="Disaggregated prefill/decode LLM serving: OpenAI-compatible API",
+    description="Send `Authorization: Bearer <key>` when the server has API keys. Errors use OpenAI's JSON shape.",
+    version="1",
+)
+api.add_middleware(EdgeGuard)
+
+
+@api.exception_handler(GatewayError)
+async def _gateway_error(request: Request, e: GatewayError):
+    return _error_response(e)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError):
+    first = e.errors()[0] if e.errors() else {}
+    where = [str(x) for x in first.get("loc", ()) if x != "body"]
+    message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
+    return _error_response(BadRequest(message, param=where[0] if where else None))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException):
+    error = NotFound(f"no route {request.method} {request.url.path}") if e.status_code == 404 else GatewayError(str(e.detail))
+    error.status = e.status_code
+    if e.status_code < 500:
+        error.type = "invalid_request_error" if e.status_code != 404 else error.type
+    return _error_response(error)
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request: Request, e: Exception):
+    return _error_response(from_exception(e))
+
+
+@serve.ingress(api)
+class Gateway:
+    def __init__(self, engine_config: EngineConfig, config: GatewayConfig, redis_url: str | None, decode_handle, prefill_handle=None):
+        self.config = config
+        self.model_name = engine_config.served_model_name or engine_config.model
+        self.metrics = GatewayMetrics(replica=f"gateway-{uuid.uuid4().hex[:8]}")
+        self.router = Router(engine_config, decode_handle, prefill_handle, self.metrics)
+        self.auth = ApiKeyAuth(config.api_keys)
+        self.rate_limiter = RateLimiter(
+            redis_url, config.rate_limit_rps, config.rate_limit_burst, self.metrics.rate_limit_errors.labels(self.metrics.replica)
+        )
+        self.admission = Admission(
+            config.max_running_requests, config.max_queued_requests, config.queue_timeout_s, config.retry_after_s
+        )
+        self.openai = OpenAIServing(self.router, self.model_name, self.admitted)
+        self.grpc = GrpcServing(self.router, self.model_name, self.admitted)
+        api.state.gateway = self  # one replica per process: the EdgeGuard finds it here
+
+    # ---- the narrow interface (Serve handles: tests, `pdserve status`) ----------------
+
+    async def generate(self, prompt, params=None, request_id: str | None = None):
+        async for out in self.router.generate(prompt, params, request_id):
+            yield out
+
+    async def worker_stats(self) -> dict:
+        return await self.router.worker_stats()
+
+    @asynccontextmanager
+    async def admitted(self, api_key: str) -> AsyncIterator[None]:
+        """Rate limit (per key, shared through Redis), then a running slot of this replica."""
+        retry_after = await self.rate_limiter.acquire(api_key)
+        if retry_after is not None:
+            raise RateLimited("rate limit exceeded for this API key", retry_after_s=max(1, round(retry_after + 0.5)))
+        async with self.admission.slot():
+            yield
+
+    # ---- HTTP --------------------------------------------------------------------------
+
+    @api.get("/health", response_model=p.Health, tags=["health"])
+    async def health(self) -> p.Health:
+        """Liveness: the gateway answers (no work, no key)."""
+        return p.Health(status="ok")
+
+    @api.get("/ready", response_model=p.Health, tags=["health"], responses={401: ERRORS[401], 503: {"model": p.Health}})
+    async def ready(self):
+        """Readiness: one real token through prefill, KV transfer and decode, in time."""
+        prompt = self.router.inputs.tokenizer.encode("ready")
+        from cluster.engine.sampling_params import SamplingParams
+
+        async def one_token() -> None:
+            async for out in self.router.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+                if out.finished and out.finish_reason == "abort":
+                    raise RuntimeError("aborted")
+
+        try:
+            await asyncio.wait_for(one_token(), self.config.ready_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure means not ready
+            detail = "timed out" if isinstance(e, TimeoutError) else type(from_exception(e)).__name__
+            return JSONResponse(p.Health(status="unavailable", detail=detail).model_dump(), status_code=503)
+        return p.Health(status="ok")
+
+    @api.get("/metrics", tags=["health"], response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def prometheus(self) -> Response:
+        """Prometheus text: request latencies of this gateway replica, worker state of all."""
+        try:
+            stats = await asyncio.wait_for(self.router.worker_stats(), 10.0)
+        except Exception as e:  # noqa: BLE001 - gateway metrics still render
+            log.warning("metrics: worker stats unavailable: %s", e)
+            stats = {}
+        self.metrics.gateway_running.labels(self.metrics.replica).set(self.admission.running)
+        self.metrics.gateway_queued.labels(self.metrics.replica).set(self.admission.queued)
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @api.get("/v1/models", response_model=p.ModelList, responses={401: ERRORS[401]})
+    async def models(self) -> p.ModelList:
+        return self.openai.models()
+
+    @api.post("/v1/completions", response_model=p.CompletionResponse, responses={**ERRORS, **STREAMED})
+    async def completions(self, body: p.CompletionRequest, request: Request):
+        return _respond(await self.openai.completion(body, request.state.api_key))
+
+    @api.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses={**ERRORS, **STREAMED})
+    async def chat_completions(self, body: p.ChatCompletionRequest, request: Request):
+        return _respond(await self.openai.chat(body, request.state.api_key))
+
+    # ---- gRPC (Serve's proxy calls the method named like the RPC) -----------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            api_key = self.auth.check(metadata(grpc_context, "authorization"))
+            async for message in self.grpc.generate(request, api_key):
+                yield message
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise set_error(grpc_context, e) from None
+
+    async def Abort(self, request: pb.AbortRequest, grpc_context) -> pb.AbortResponse:
+        try:
+            self.auth.check(metadata(grpc_context, "authorization"))
+            return self.grpc.abort(request)
+        except Exception as e:
+            raise set_error(grpc_context, e) from None
+
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:
+        try:
+            self.auth.check(metadata(grpc_context, "authorization"))
+            return self.grpc.list_models()
+        except Exception as e:
+            raise set_error(grpc_context, e) from None
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
+        """grpc.health.v1: liveness of the gateway (no key), for probes and grpcurl."""
+        known = {"", "pdserve.v1.Generation"}
+        if request.service not in known:
+            raise set_error(grpc_context, NotFound(f"unknown service '{request.service}'"))
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        yield await self.Check(request, grpc_context)
+        await asyncio.Event().wait()  # no further change until the gateway goes away

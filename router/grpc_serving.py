@@ -1,0 +1,116 @@
+"""The gRPC API (protos/pdserve/v1/generation.proto) on top of `Router.generate`.
+
+Serve's gRPC proxy decodes each call and hands it to the gateway deployment's method
+of the same name (Generate, Abort, ListModels, and Check/Watch of grpc.health.v1);
+errors set the status code on the call's context and raise, as Serve expects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from cluster.engine.engine import RequestOutput
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from protos.pdserve.v1 import generation_pb2 as pb
+from router.errors import AlreadyExists, BadRequest, GatewayError, NotFound, Unavailable, from_exception
+
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+def metadata(context, key: str) -> str | None:
+    return next((v for k, v in context.invocation_metadata() if k.lower() == key), None)
+
+
+def set_error(context, e: BaseException) -> GatewayError:
+    """Put `e`'s status on the call (Serve sends it when the method raises)."""
+    error = from_exception(e)
+    context.set_code(error.grpc_code)
+    context.set_details(error.message)
+    return error
+
+
+def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 16,
+            min_tokens=msg.min_tokens,
+            temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            top_k=msg.top_k,
+            min_p=msg.min_p,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        )
+    except InvalidRequestError as e:
+        raise BadRequest(str(e)) from None
+
+
+def response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.new_text)
+    for lp in out.logprobs or ():
+        msg.logprobs.add(
+            token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top]
+        )
+    if out.finished:
+        msg.finish_reason = FINISH_REASONS[out.finish_reason]
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_prompt_tokens=out.num_cached_tokens,
+            )
+        )
+    return msg
+
+
+class GrpcServing:
+    def __init__(self, router, model_name: str, admitted):
+        """`admitted(api_key)`: held around each generation (rate limit, slot)."""
+        self.router = router
+        self.admitted = admitted
+        self.model_name = model_name
+        self._running: dict[str, asyncio.Task] = {}  # client request_id -> the task streaming it
+
+    def list_models(self) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[pb.Model(id=self.model_name, max_model_len=self.router.inputs.max_model_len)])
+
+    async def generate(self, request: pb.GenerateRequest, api_key: str = "") -> AsyncIterator[pb.GenerateResponse]:
+        """Validate everything first (errors before any work), then stream."""
+        if request.model and request.model != self.model_name:
+            raise NotFound(f"The model '{request.model}' does not exist; this server serves '{self.model_name}'")
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise BadRequest("set a prompt: text or token_ids")
+        prompt = request.text if which == "text" else list(request.token_ids.ids)
+        params = sampling_params(request.params)
+        try:
+            prompt_ids = self.router.inputs.process(prompt, params)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e)) from None
+        client_id = request.request_id or self.router.new_request_id()
+        if client_id in self._running:
+            raise AlreadyExists(f"request_id '{client_id}' is already running")
+        self._running[client_id] = asyncio.current_task()
+        try:
+            async with self.admitted(api_key):
+                # Internal ids are always the gateway's own: clients cannot collide in the workers.
+                async for out in self.router.generate(prompt_ids, params, self.router.new_request_id()):
+                    if out.finished and out.finish_reason == "abort":
+                        raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
+                    yield response(client_id, out)
+        finally:
+            self._running.pop(client_id, None)
+
+    def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+        task = self._running.get(request.request_id)
+        if task is None:
+            raise NotFound(f"no running request '{request.request_id}' on this gateway")
+        task.cancel()  # the stream's cancellation aborts it on every tier
+        return pb.AbortResponse()

@@ -1,0 +1,135 @@
+"""Prometheus metrics served on the gateway's `/metrics`.
+
+Two sources:
+  * request metrics, observed by this gateway replica as tokens stream (histograms and
+    counters in the replica's own registry, labelled with `replica`);
+  * worker state, read from every worker's `stats()` at scrape time (queues, KV usage,
+    transfer counters), so it is current and counted once however many gateways exist.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class GatewayMetrics:
+    def __init__(self, replica: str):
+        self.replica = replica
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["replica"]
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Request arrival to its first token, as the gateway saw it.",
+            labels, registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds", "Time between successive streamed outputs of one request.",
+            labels, registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "Request arrival to its last token.",
+            labels, registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
+        self.requests = Counter(
+            "pdserve_requests", "Finished requests (one per choice) by outcome.",
+            ["replica", "status", "finish_reason"], registry=self.registry,
+        )
+        self.gateway_running = Gauge(
+            "pdserve_gateway_requests_running", "Requests holding an admission slot in this gateway replica.",
+            labels, registry=self.registry,
+        )
+        self.gateway_queued = Gauge(
+            "pdserve_gateway_requests_queued", "Requests waiting for an admission slot in this gateway replica.",
+            labels, registry=self.registry,
+        )
+        self.rejected = Counter(
+            "pdserve_requests_rejected", "Requests refused before any work, by HTTP status.",
+            ["replica", "status"], registry=self.registry,
+        )
+        self.rate_limit_errors = Counter(
+            "pdserve_rate_limit_errors", "Rate-limit decisions Redis could not make (the request was let through).",
+            labels, registry=self.registry,
+        )
+
+    def track(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def render(self, worker_stats: dict[str, dict[str, dict]]) -> bytes:
+        workers = CollectorRegistry(auto_describe=False)
+        workers.register(_WorkerCollector(worker_stats))
+        return generate_latest(self.registry) + generate_latest(workers)
+
+
+class RequestTimer:
+    """Observes one generation stream: call `output()` per streamed delta, `finish()` once."""
+
+    def __init__(self, metrics: GatewayMetrics):
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def output(self) -> None:
+        now = time.perf_counter()
+        replica = self.metrics.replica
+        if self.last is None:
+            self.metrics.ttft.labels(replica).observe(now - self.start)
+        else:
+            self.metrics.itl.labels(replica).observe(now - self.last)
+        self.last = now
+
+    def finish(self, status: str, finish_reason: str | None) -> None:
+        replica = self.metrics.replica
+        if status == "ok":
+            self.metrics.e2e.labels(replica).observe(time.perf_counter() - self.start)
+        self.metrics.requests.labels(replica, status, finish_reason or "none").inc()
+
+
+class _WorkerCollector:
+    """Families built from one scrape's worker stats ({tier: {worker_id: stats}})."""
+
+    def __init__(self, stats: dict[str, dict[str, dict]]):
+        self.stats = stats
+
+    def collect(self):
+        running = GaugeMetricFamily("pdserve_requests_running", "Requests in the running batch, per tier.", labels=["tier"])
+        waiting = GaugeMetricFamily(
+            "pdserve_requests_waiting", "Requests waiting to be scheduled or for their KV, per tier.", labels=["tier"]
+        )
+        usage = GaugeMetricFamily(
+            "pdserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (cached idle blocks count as free).",
+            labels=["tier", "replica"],
+        )
+        transfer_bytes = CounterMetricFamily(
+            "pdserve_kv_transfer_bytes", "KV bytes received by decode workers from prefill workers."
+        )
+        transfer_seconds = SummaryMetricFamily(
+            "pdserve_kv_transfer_seconds", "Time decode workers spent receiving KV transfers (successful ones)."
+        )
+        transfer_failures = CounterMetricFamily(
+            "pdserve_kv_transfer_failures", "KV transfers that failed (then recomputed or failed per policy).", labels=["tier"]
+        )
+        received = seconds = transfers = 0.0
+        for tier, workers in self.stats.items():
+            running.add_metric([tier], sum(s["running"] for s in workers.values()))
+            waiting.add_metric([tier], sum(s["waiting"] + s.get("receiving", 0) for s in workers.values()))
+            failed = 0
+            for worker_id, s in workers.items():
+                usage.add_metric([tier, worker_id], s["kv_usage"])
+                t = s.get("transport") or {}
+                failed += t.get("transfers_failed", 0)
+                if tier == "decode":
+                    received += t.get("bytes_received", 0)
+                    seconds += t.get("seconds_receiving", 0.0)
+                    transfers += t.get("transfers_ok", 0)
+            transfer_failures.add_metric([tier], failed)
+        transfer_bytes.add_metric([], received)
+        transfer_seconds.add_metric([], count_value=transfers, sum_value=seconds)
+        yield from (running, waiting, usage, transfer_bytes, transfer_seconds, transfer_failures)

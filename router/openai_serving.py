@@ -1,0 +1,364 @@
+"""OpenAI completions and chat on top of `Router.generate`.
+
+Each request becomes one generation per (prompt, choice); all are validated and
+tokenized before any starts, run concurrently, and merge into one response or one SSE
+stream. A stream yields nothing until its first token exists, so every error that can
+happen before that (bad input, no worker) is a proper HTTP status, not a broken stream;
+after it, a failure ends the stream with an error event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+
+from cluster.engine.engine import RequestOutput, TokenLogprob
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.tokenizer import ChatTemplateError
+from router import protocol as p
+from router.errors import BadRequest, NotFound, Unavailable, from_exception
+from router.router import Router
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class _Job:
+    """One generation: a prompt's token ids and one choice's parameters."""
+
+    index: int  # the choice index clients see: prompt_index * n + choice
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Choice:
+    """What has streamed so far for one choice (non-streaming responses)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+
+
+_DONE = object()
+
+
+class OpenAIServing:
+    def __init__(self, router: Router, model_name: str, admitted: Callable[[str], AbstractAsyncContextManager]):
+        """`admitted(api_key)`: held around each request's generations (rate limit, slot)."""
+        self.router = router
+        self.admitted = admitted
+        self.model_name = model_name
+        self.tokenizer = router.inputs.tokenizer
+        self.max_model_len = router.inputs.max_model_len
+        self.created = int(time.time())
+
+    # ---- models ----------------------------------------------------------------------
+
+    def models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)])
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise NotFound(f"The model '{name}' does not exist; this server serves '{self.model_name}'", param="model")
+
+    # ---- completions -----------------------------------------------------------------
+
+    async def completion(self, req: p.CompletionRequest, api_key: str = "") -> p.CompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        prompts = _prompt_list(req.prompt)
+        params = self._params(req, req.max_tokens, req.logprobs)
+        jobs = self._jobs([self._tokenize(prompt, params) for prompt in prompts], params, req.n)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            return await _primed(self._completion_stream(request_id, created, jobs, req.n, _include_usage(req), api_key))
+        choices = await self._collect(jobs, api_key)
+        return p.CompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=[
+                p.CompletionChoice(
+                    index=i, text=c.text, finish_reason=c.finish_reason,
+                    logprobs=self._completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=_usage(choices, req.n),
+        )
+
+    async def _completion_stream(
+        self, request_id: str, created: int, jobs: list[_Job], n: int, include_usage: bool, api_key: str
+    ) -> AsyncIterator[str]:
+        offsets = [0] * len(jobs)
+        totals = [_Choice() for _ in jobs]
+        async for index, out in self._merged(jobs, api_key):
+            _account(totals[index], out)
+            logprobs = None
+            if jobs[index].params.logprobs is not None:
+                logprobs = self._completion_logprobs(out.logprobs or [], offsets[index])
+            offsets[index] += len(out.new_text)
+            choice = p.CompletionChoice(index=index, text=out.new_text, logprobs=logprobs, finish_reason=_finish(out))
+            yield _sse(p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice]))
+        if include_usage:
+            yield _sse(p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[], usage=_usage(totals, n)))
+
+    # ---- chat ------------------------------------------------------------------------
+
+    async def chat(self, req: p.ChatCompletionRequest, api_key: str = "") -> p.ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        messages = [_message_dict(m) for m in req.messages]
+        try:
+            prompt_ids = self.tokenizer.encode_chat(messages)
+        except (ChatTemplateError, ValueError) as e:
+            raise BadRequest(f"messages could not be rendered with the model's chat template: {e}", param="messages") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
+        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        jobs = self._jobs([self._tokenize(prompt_ids, params)], params, req.n)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            return await _primed(self._chat_stream(request_id, created, jobs, req.n, _include_usage(req), api_key))
+        choices = await self._collect(jobs, api_key)
+        return p.ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=[
+                p.ChatChoice(
+                    index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                    logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=_usage(choices, req.n),
+        )
+
+    async def _chat_stream(
+        self, request_id: str, created: int, jobs: list[_Job], n: int, include_usage: bool, api_key: str
+    ) -> AsyncIterator[str]:
+        totals = [_Choice() for _ in jobs]
+
+        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
+            return _sse(p.ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage))
+
+        async for index, out in self._merged(jobs, api_key):
+            if not totals[index].token_ids:  # the first delta of a choice carries the role
+                yield chunk([p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+            _account(totals[index], out)
+            logprobs = self._chat_logprobs(out.logprobs or []) if jobs[index].params.logprobs is not None else None
+            delta = p.DeltaMessage(content=out.new_text) if out.new_text or not out.finished else p.DeltaMessage()
+            yield chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=_finish(out))])
+        if include_usage:
+            yield chunk([], _usage(totals, n))
+
+    # ---- shared ----------------------------------------------------------------------
+
+    def _params(self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+        if len(stop) > MAX_STOP_STRINGS:
+            raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens if max_tokens is not None else 16,
+                min_tokens=req.min_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=req.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+        except InvalidRequestError as e:
+            raise BadRequest(str(e)) from None
+
+    def _tokenize(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        try:
+            return self.router.inputs.process(prompt, params)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e), param="prompt") from None
+
+    @staticmethod
+    def _jobs(prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[_Job]:
+        """n choices per prompt; seeded choices get distinct seeds (seed + choice)."""
+        jobs = []
+        for i, ids in enumerate(prompt_ids):
+            for j in range(n):
+                choice_params = params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
+                jobs.append(_Job(i * n + j, ids, choice_params))
+        return jobs
+
+    async def _merged(self, jobs: list[_Job], api_key: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every job's deltas as they come, tagged with the choice index, while admitted.
+        Leaving early (client gone, error) cancels every generation, which aborts it on
+        every tier."""
+        async with self.admitted(api_key):
+            if len(jobs) == 1:  # the common case needs no tasks
+                async for out in self._generate(jobs[0]):
+                    yield 0, out
+            else:
+                async for item in self._interleaved(jobs):
+                    yield item
+
+    async def _interleaved(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(job: _Job) -> None:
+            try:
+                async for out in self._generate(job):
+                    queue.put_nowait((job.index, out))
+                queue.put_nowait((job.index, _DONE))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((job.index, e))
+
+        tasks = [asyncio.create_task(pump(job)) for job in jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate(self, job: _Job) -> AsyncIterator[RequestOutput]:
+        finished = False
+        async for out in self.router.generate(job.prompt_ids, job.params, self.router.new_request_id()):
+            if out.finished and out.finish_reason == "abort":
+                raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
+            finished = finished or out.finished
+            yield out
+        if not finished:
+            raise Unavailable("the generation ended without a finish reason; retry", retry_after_s=1)
+
+    async def _collect(self, jobs: list[_Job], api_key: str) -> list[_Choice]:
+        choices = [_Choice() for _ in jobs]
+        async for index, out in self._merged(jobs, api_key):
+            _account(choices[index], out)
+        return choices
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> p.CompletionLogprobs:
+        tokens, offsets = [], []
+        for lp in logprobs:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return p.CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in logprobs],
+            top_logprobs=[{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
+            text_offset=offsets,
+        )
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> p.ChatLogprobs:
+        def top(token_id: int, value: float) -> p.TopLogprob:
+            text = self._token_text(token_id)
+            return p.TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
+
+        return p.ChatLogprobs(
+            content=[
+                p.ChatTokenLogprob(**top(lp.token_id, lp.logprob).model_dump(), top_logprobs=[top(t, v) for t, v in lp.top])
+                for lp in logprobs
+            ]
+        )
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def _prompt_list(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    return list(prompt)
+
+
+def _message_dict(message: p.ChatMessage) -> dict:
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _account(choice: _Choice, out: RequestOutput) -> None:
+    choice.token_ids += out.new_token_ids
+    choice.text += out.new_text
+    choice.logprobs += out.logprobs or []
+    choice.num_prompt_tokens = out.num_prompt_tokens
+    if out.finished:
+        choice.finish_reason = out.finish_reason
+
+
+def _finish(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+def _usage(choices: list[_Choice], n: int) -> p.Usage:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI counts them."""
+    prompt = sum(c.num_prompt_tokens for c in choices[::n])
+    completion = sum(len(c.token_ids) for c in choices)
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _sse(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    return f"data: {json.dumps(from_exception(e).body())}\n\n"
+
+
+async def _primed(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Run `stream` up to its first event now, so errors before the first token raise
+    here (and become an HTTP status); then a stream that replays it and goes on. After
+    the first event, a failure ends the stream with an error event; always `[DONE]`."""
+    first = await anext(stream, None)
+
+    async def rest() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield first
+            async for event in stream:
+                yield event
+        except Exception as e:  # noqa: BLE001 - reported to the client in-band
+            yield sse_error(e)
+        finally:
+            await stream.aclose()
+        yield "data: [DONE]\n\n"
+
+    return rest()
