@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test test-unit redis-server clean
+.PHONY: setup serve test test-unit protos redis-server clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 serve: setup
 	$(VENV)/bin/pdserve serve
+
+# The gRPC stubs beside protos/pdserve/v1/generation.proto, from the pinned grpcio-tools
+# (its bundled protoc): the same input always gives the same files. They are committed;
+# tests/unit/test_protos.py fails if they are stale.
+PROTOS := protos/pdserve/v1/generation.proto
+protos: setup
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
 # redis-server comes from Debian; installed here when missing and we are root.
 redis-server:

@@ -51,7 +51,14 @@ ERRORS = {
         503: "Overloaded or a worker unavailable (see Retry-After)",
     }.items()
 }
-STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or SSE with stream=true"}}
+# With stream=true: Server-Sent Events, each `data:` a JSON chunk (a completion, or a
+# chat.completion.chunk), an error event if the stream fails midway, and finally [DONE].
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}, "event": {"type": "string"}},
+}
+STREAMED = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}, "description": "JSON, or SSE with stream=true"}}
 
 
 def _error_response(error: GatewayError) -> JSONResponse:
@@ -87,17 +94,28 @@ class EdgeGuard:
             return await _error_response(e)(scope, receive, send)
         except ValueError:
             return await _error_response(BadRequest("invalid Content-Length"))(scope, receive, send)
-        received = 0
+        if "content-length" not in headers:  # a chunked body: read it here, within the limit
+            body, more = b"", True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > limit:
+                    error = PayloadTooLarge(f"request body over the limit of {limit} bytes")
+                    return await _error_response(error)(scope, receive, send)
+            replayed = False
 
-        async def limited_receive():  # bodies without Content-Length (chunked) are counted
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise PayloadTooLarge(f"request body over the limit of {limit} bytes")
-            return message
+            async def receive_buffered():
+                nonlocal replayed
+                if replayed:
+                    return await receive()  # then: disconnect notices
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
 
-        return await self.app(scope, limited_receive, send)
+            return await self.app(scope, receive_buffered, send)
+        return await self.app(scope, receive, send)
 
 
 api = FastAPI(

@@ -19,7 +19,7 @@ import math
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "pdserve:ratelimit:"
-REDIS_TIMEOUT_S = 0.05
+REDIS_TIMEOUT_S = 0.2  # per Redis operation; a decision takes two
 
 # KEYS[1] bucket; ARGV: rate (tokens/s), burst, now (s). Returns {allowed, retry_after_ms}.
 TOKEN_BUCKET = """
@@ -68,7 +68,7 @@ class RateLimiter:
             return await self._script(keys=[bucket], args=[self.rate, self.burst, seconds + micros / 1e6])
 
         try:
-            allowed, retry_ms = await asyncio.wait_for(take(), REDIS_TIMEOUT_S * 4)
+            allowed, retry_ms = await asyncio.wait_for(take(), REDIS_TIMEOUT_S * 2)
         except Exception as e:  # noqa: BLE001 - the limiter never fails a request
             if self.errors is not None:
                 self.errors.inc()

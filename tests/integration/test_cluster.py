@@ -16,6 +16,7 @@ from cluster.app import build_app
 from cluster.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig, TransportConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from tests.helpers import all_blocks_returned, wait_until
 
 SHARED = "You are a helpful assistant. Answer briefly and precisely, citing sources. "
 PROMPTS = [
@@ -78,22 +79,6 @@ async def collect(router, prompt, params=GREEDY):
 
 async def run_all(router, prompts=PROMPTS, params=GREEDY):
     return await asyncio.gather(*(collect(router, p, params) for p in prompts))
-
-
-def all_blocks_returned(router) -> bool:
-    stats = router.worker_stats.remote().result()
-    return all(s["used_blocks"] == 0 and s["running"] == 0 for tier in stats.values() for s in tier.values())
-
-
-def wait_until(predicate, timeout_s=20.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
 
 
 @pytest.mark.parametrize("prefill, decode", [(1, 1), (2, 1), (1, 2)])

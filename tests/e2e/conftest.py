@@ -1,0 +1,74 @@
+"""A real local cluster behind Serve's HTTP and gRPC proxies, for tests through real
+clients (the `openai` SDK, generated gRPC stubs, httpx, schemathesis).
+
+One cluster per module: local Ray, a private redis-server, 1 prefill + 1 decode worker
+and the gateway, with an API key. `redeploy(gateway=...)` swaps the gateway's limits;
+the workers keep running (their arguments do not change, so Serve keeps them).
+"""
+
+import dataclasses
+
+import pytest
+import ray
+from ray import serve
+
+from cluster.app import build_app, grpc_options
+from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, SchedulerConfig, TierConfig, TransportConfig
+from cluster.redis_server import PrivateRedis, free_port
+
+API_KEY = "sk-test-0123456789"
+MODEL_NAME = "tiny-qwen2"
+
+
+@dataclasses.dataclass
+class LiveCluster:
+    http_url: str
+    grpc_target: str
+    engine_config: EngineConfig
+    redis: PrivateRedis
+    handle: object = None
+
+    def redeploy(self, gateway: GatewayConfig = GatewayConfig(api_keys=(API_KEY,)), redis_url: str | None = None, gateways: int = 1):
+        config = ClusterConfig(
+            engine=self.engine_config,
+            prefill=TierConfig(num_cpus=0.5),
+            decode=TierConfig(num_cpus=0.5),
+            router=TierConfig(num_replicas=gateways, num_cpus=0.1),
+            transport=TransportConfig(timeout_s=10.0),
+            redis_url=redis_url or self.redis.url,
+            gateway=gateway,
+        )
+        self.handle = serve.run(build_app(config), name="pdserve", route_prefix="/")
+        return self.handle
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_models):
+    return EngineConfig(
+        model=str(tiny_models["qwen2"]),
+        served_model_name=MODEL_NAME,
+        dtype="float32",
+        max_model_len=256,
+        cache=CacheConfig(block_size=8, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32),  # prompts above 32 tokens are chunked
+    )
+
+
+@pytest.fixture(scope="module")
+def live(engine_config):
+    http_port, grpc_port = free_port(), free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(grpc_port))
+    with PrivateRedis() as redis:
+        cluster = LiveCluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", engine_config, redis)
+        cluster.redeploy()
+        try:
+            yield cluster
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+@pytest.fixture
+def auth():
+    return {"Authorization": f"Bearer {API_KEY}"}

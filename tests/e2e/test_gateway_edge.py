@@ -1,0 +1,147 @@
+"""The gateway's edge on a real local cluster: API keys on every route, 404/413 in
+OpenAI's shape, liveness/readiness, Prometheus metrics, admission limits that refuse
+fast with Retry-After, and per-key rate limits shared through a real redis-server."""
+
+import asyncio
+import re
+
+import httpx
+import pytest
+import redis
+
+from cluster.config import GatewayConfig
+from cluster.redis_server import PrivateRedis
+from tests.e2e.conftest import API_KEY, MODEL_NAME
+from tests.helpers import wait_until
+
+PUBLIC = {"/health", "/metrics"}
+
+
+def completion(max_tokens=4, **kw):
+    return {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_every_route_refuses_a_missing_or_wrong_key(live, auth):
+    schema = httpx.get(live.http_url + "/openapi.json", headers=auth).json()
+    routes = [(method.upper(), path) for path, item in schema["paths"].items() for method in item]
+    routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
+    assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/ready")} <= set(routes)
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "Basic " + API_KEY}):
+            response = httpx.request(method, live.http_url + path, headers=headers, json=completion())
+            if path in PUBLIC:
+                assert response.status_code == 200
+            else:
+                assert response.status_code == 401, (method, path, headers)
+                assert response.json()["error"]["type"] == "authentication_error"
+                assert API_KEY not in response.text
+
+
+def test_unknown_route_and_oversized_body(live, auth):
+    response = httpx.get(live.http_url + "/v1/nothing", headers=auth)
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+    huge = completion(prompt="x" * (4 * 1024 * 1024 + 1))
+    response = httpx.post(live.http_url + "/v1/completions", headers=auth, json=huge)
+    assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the gateway counts what it reads
+        yield b'{"model": "' + MODEL_NAME.encode() + b'", "prompt": "'
+        for _ in range(5):
+            yield b"x" * (1024 * 1024)
+        yield b'"}'
+
+    response = httpx.post(live.http_url + "/v1/completions", headers={**auth, "content-type": "application/json"}, content=chunked())
+    assert response.status_code == 413
+
+
+def test_health_ready_and_metrics(live, auth):
+    assert httpx.get(live.http_url + "/health").json() == {"status": "ok", "detail": None}
+    assert httpx.get(live.http_url + "/ready", headers=auth, timeout=60).status_code == 200
+    for _ in range(3):
+        assert httpx.post(live.http_url + "/v1/completions", headers=auth, json=completion(6), timeout=60).status_code == 200
+    response = httpx.get(live.http_url + "/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    assert metric(text, "pdserve_requests_total", status="ok", finish_reason="length") >= 4  # 3 + the readiness probe
+    assert metric(text, "pdserve_time_to_first_token_seconds_count") >= 4
+    assert metric(text, "pdserve_inter_token_latency_seconds_count") >= 3 * 5
+    assert metric(text, "pdserve_e2e_request_latency_seconds_count") >= 4
+    assert metric(text, "pdserve_kv_transfer_bytes_total") > 0 and metric(text, "pdserve_kv_transfer_seconds_count") >= 4
+    for tier in ("prefill", "decode"):
+        assert re.search(rf'pdserve_kv_cache_usage_ratio\{{replica="{tier}-\w+",tier="{tier}"\}} 0', text)
+        assert re.search(rf'pdserve_requests_running\{{tier="{tier}"\}} 0', text)
+        assert re.search(rf'pdserve_requests_waiting\{{tier="{tier}"\}} 0', text)
+
+
+async def _admission_run(live, auth):
+    async with httpx.AsyncClient(base_url=live.http_url, headers=auth, timeout=120) as client:
+        long = completion(max_tokens=240)
+        first = asyncio.create_task(client.post("/v1/completions", json=long))
+        second = None
+
+        async def gauge(name):
+            return metric((await client.get("/metrics")).text, name)
+
+        for _ in range(300):  # the first one holds the running slot ...
+            if await gauge("pdserve_gateway_requests_running") == 1:
+                break
+            await asyncio.sleep(0.05)
+        second = asyncio.create_task(client.post("/v1/completions", json=long))
+        for _ in range(300):  # ... and the second waits in the queue
+            if await gauge("pdserve_gateway_requests_queued") == 1:
+                break
+            await asyncio.sleep(0.05)
+        rejected = await asyncio.gather(*(client.post("/v1/completions", json=completion()) for _ in range(8)))
+        still_running = await gauge("pdserve_gateway_requests_running")
+        return await first, await second, rejected, still_running
+
+
+def test_admission_limits_refuse_fast_with_retry_after(live, auth):
+    live.redeploy(GatewayConfig(api_keys=(API_KEY,), max_running_requests=1, max_queued_requests=1, retry_after_s=2))
+    try:
+        first, second, rejected, still_running = asyncio.run(_admission_run(live, auth))
+        assert first.status_code == second.status_code == 200
+        assert [r.status_code for r in rejected] == [503] * 8
+        assert all(r.headers["retry-after"] == "2" for r in rejected)
+        assert all(r.json()["error"]["type"] == "overloaded_error" for r in rejected)
+        assert still_running == 1  # every refusal came back while the first request still ran
+    finally:
+        live.redeploy()
+
+
+def test_rate_limit_per_key_is_shared_through_redis(live, auth):
+    other_key = "sk-other-key"
+    with PrivateRedis() as limiter_redis:
+        live.redeploy(
+            GatewayConfig(api_keys=(API_KEY, other_key), rate_limit_rps=0.2, rate_limit_burst=2),
+            redis_url=limiter_redis.url,
+            gateways=2,
+        )
+        try:
+            codes = [httpx.post(live.http_url + "/v1/completions", headers=auth, json=completion(1)) for _ in range(5)]
+            assert [r.status_code for r in codes] == [200, 200, 429, 429, 429]  # burst 2, whichever gateway replica
+            assert int(codes[2].headers["retry-after"]) >= 1 and codes[2].json()["error"]["type"] == "rate_limit_error"
+            other = httpx.post(live.http_url + "/v1/completions", headers={"Authorization": f"Bearer {other_key}"}, json=completion(1))
+            assert other.status_code == 200  # each key has its own bucket
+            keys = redis.Redis.from_url(limiter_redis.url).keys("*")
+            assert len(keys) == 2 and all(k.startswith(b"pdserve:ratelimit:") for k in keys)
+            assert not any(API_KEY.encode() in k or other_key.encode() in k for k in keys)  # never the key itself
+            limiter_redis.stop()  # Redis gone: requests go through, and the failure is counted
+
+            def passes_and_is_counted():  # (by whichever gateway replica served it)
+                assert httpx.post(live.http_url + "/v1/completions", headers=auth, json=completion(1)).status_code == 200
+                return metric(httpx.get(live.http_url + "/metrics").text, "pdserve_rate_limit_errors_total") >= 1
+
+            assert wait_until(passes_and_is_counted)
+        finally:
+            live.redeploy()

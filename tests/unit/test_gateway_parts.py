@@ -1,0 +1,186 @@
+"""The gateway's parts without a cluster: admission slots, API keys, the error table,
+request schemas (strict), and the Redis token bucket against a real redis-server."""
+
+import asyncio
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from cluster.engine.sampling_params import InvalidRequestError
+from cluster.redis_server import PrivateRedis
+from router.admission import Admission
+from router.auth import ApiKeyAuth, load_api_keys
+from router.errors import BadRequest, GatewayError, Overloaded, Unauthorized, Unavailable, from_exception
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.rate_limit import RateLimiter
+
+
+# ---- admission ---------------------------------------------------------------------------
+
+
+def test_admission_runs_queues_then_refuses():
+    async def scenario():
+        admission = Admission(max_running=1, max_queued=1, queue_timeout_s=5, retry_after_s=3)
+        release_first = asyncio.Event()
+        order = []
+
+        async def request(name, hold=None):
+            async with admission.slot():
+                order.append(f"{name} runs")
+                if hold is not None:
+                    await hold.wait()
+
+        first = asyncio.create_task(request("first", release_first))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(request("second"))
+        await asyncio.sleep(0)
+        assert (admission.running, admission.queued) == (1, 1)
+        with pytest.raises(Overloaded) as refused:
+            await request("third")
+        assert refused.value.retry_after_s == 3 and refused.value.status == 503
+        release_first.set()
+        await asyncio.gather(first, second)
+        assert order == ["first runs", "second runs"]
+        assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_queued_request_gives_up_after_the_queue_timeout_and_frees_its_place():
+    async def scenario():
+        admission = Admission(max_running=1, max_queued=1, queue_timeout_s=0.05, retry_after_s=1)
+        hold = asyncio.Event()
+
+        async def holder():
+            async with admission.slot():
+                await hold.wait()
+
+        task = asyncio.create_task(holder())
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="no slot freed"):
+            async with admission.slot():
+                pass
+        assert admission.queued == 0
+        hold.set()
+        await task
+        async with admission.slot():  # the slot came back
+            assert admission.running == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_request_returns_its_slot():
+    async def scenario():
+        admission = Admission(max_running=1, max_queued=0, queue_timeout_s=1, retry_after_s=1)
+        with pytest.raises(RuntimeError):
+            async with admission.slot():
+                raise RuntimeError("boom")
+        async with admission.slot():
+            pass
+        assert admission.running == 0
+
+    asyncio.run(scenario())
+
+
+# ---- API keys ----------------------------------------------------------------------------
+
+
+def test_api_keys_from_flags_file_and_environment(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team keys\nsk-file-1\n\n  sk-file-2  \nsk-flag\n")
+    keys = load_api_keys(["sk-flag"], str(key_file), env={"PDSERVE_API_KEY": "sk-env-1, sk-env-2"})
+    assert keys == ("sk-flag", "sk-file-1", "sk-file-2", "sk-env-1", "sk-env-2")
+    assert load_api_keys(None, None, env={}) == ()
+
+
+def test_api_key_check():
+    auth = ApiKeyAuth(("sk-a", "sk-b"))
+    assert auth.check("Bearer sk-b") == "sk-b" and auth.check("bearer  sk-a") == "sk-a"
+    for bad in (None, "", "Bearer", "Bearer ", "sk-a", "Basic sk-a", "Bearer sk-c", "Bearer sk-a2"):
+        with pytest.raises(Unauthorized) as e:
+            auth.check(bad)
+        assert "sk-a" not in e.value.message and "sk-b" not in e.value.message
+    assert ApiKeyAuth(()).check(None) == ""  # no keys configured: open
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def test_error_table_maps_http_and_grpc_alike():
+    assert (BadRequest("x").status, BadRequest("x").grpc_code) == (400, grpc.StatusCode.INVALID_ARGUMENT)
+    assert (Unauthorized("x").status, Unauthorized("x").grpc_code) == (401, grpc.StatusCode.UNAUTHENTICATED)
+    assert (Overloaded("x").status, Overloaded("x").grpc_code) == (503, grpc.StatusCode.UNAVAILABLE)
+    assert Overloaded("x", retry_after_s=2).headers() == {"Retry-After": "2"}
+    assert BadRequest("bad temperature", param="temperature").body() == {
+        "error": {"message": "bad temperature", "type": "invalid_request_error", "param": "temperature", "code": None}
+    }
+
+
+def test_unexpected_errors_reveal_nothing():
+    class Secret(Exception):
+        pass
+
+    error = from_exception(Secret(f"object at {hex(id(object()))} in /work/main/x.py"))
+    assert type(error) is GatewayError and error.status == 500
+    assert "0x" not in error.message and "/work" not in error.message
+    assert isinstance(from_exception(InvalidRequestError("max_tokens must be >= 1")), BadRequest)
+    from decode_worker.worker import KVCacheFullError
+
+    assert isinstance(from_exception(KVCacheFullError("full")), Unavailable)
+
+
+# ---- request schemas ---------------------------------------------------------------------
+
+
+def test_requests_are_strict():
+    ok = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3], "temperature": 1})
+    assert ok.prompt == [1, 2, 3] and ok.max_tokens == 16
+    for bad in (
+        {"model": "m", "prompt": "hi", "max_tokens": "5"},  # no coercion from strings
+        {"model": "m", "prompt": "hi", "surprise": True},  # no unknown fields
+        {"model": "m", "prompt": [[]]},  # empty token list
+        {"model": "m", "prompt": "hi", "n": 17},
+        {"model": "m", "prompt": "hi", "temperature": 2.5},
+        {"prompt": "hi"},
+    ):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(bad)
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "logprobs": True}
+    )
+    assert chat.messages[0].content[0].text == "hi"
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": []})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "robot", "content": "hi"}]})
+
+
+# ---- rate limit --------------------------------------------------------------------------
+
+
+def test_token_bucket_in_redis_is_per_key_and_refills():
+    async def scenario(url):
+        limiter = RateLimiter(url, rate_per_s=100.0, burst=3)
+        other = RateLimiter(url, rate_per_s=100.0, burst=3)  # a second gateway replica
+        first = [await limiter.acquire("sk-a") for _ in range(2)] + [await other.acquire("sk-a")]
+        assert first == [None, None, None]  # the burst, shared by both replicas
+        retry = await other.acquire("sk-a")
+        assert retry is not None and 0 < retry <= 0.011  # one token comes back every 10 ms
+        assert await limiter.acquire("sk-b") is None  # another key, another bucket
+        await asyncio.sleep(0.05)
+        assert await limiter.acquire("sk-a") is None  # refilled
+
+    with PrivateRedis() as redis:
+        asyncio.run(scenario(redis.url))
+
+
+def test_rate_limiter_lets_requests_through_when_redis_is_down():
+    from prometheus_client import CollectorRegistry, Counter
+
+    errors = Counter("errors", "", registry=CollectorRegistry())
+    with PrivateRedis() as redis:
+        url = redis.url
+    limiter = RateLimiter(url, rate_per_s=1.0, burst=1, errors=errors)
+    assert asyncio.run(limiter.acquire("sk-a")) is None
+    assert errors._value.get() == 1
