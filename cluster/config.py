@@ -102,7 +102,8 @@ class GatewayConfig:
     """The HTTP and gRPC edge: keys, admission and rate limits (per gateway replica,
     except the rate limit, whose buckets live in Redis and so are shared)."""
 
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth; never logged
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none here or in the file: no auth; never logged
+    api_key_file: str | None = None  # one key per line, read by each gateway replica (e.g. a mounted secret)
     max_running_requests: int = 256  # requests streaming at once
     max_queued_requests: int = 256  # admitted requests waiting for a running slot
     queue_timeout_s: float = 30.0  # a queued request gives up (503) after this

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 APP_NAME = "pdserve"
 
@@ -17,6 +18,8 @@ def config_from_args(args):
     from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, TierConfig
     from router.auth import load_api_keys
 
+    if args.api_key_file:
+        load_api_keys(None, args.api_key_file, env={})  # fail now (exit 2) if it is missing or empty
     engine = EngineConfig(
         model=args.model or str(builtin_model_dir()),
         dtype=args.dtype,
@@ -25,7 +28,8 @@ def config_from_args(args):
         cache=CacheConfig(memory_gib=args.kv_cache_gib),
     )
     gateway = GatewayConfig(
-        api_keys=load_api_keys(args.api_key, args.api_key_file),
+        api_keys=load_api_keys(args.api_key),  # and $PDSERVE_API_KEY
+        api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         rate_limit_rps=args.rate_limit_rps,

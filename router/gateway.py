@@ -27,7 +27,7 @@ from cluster.config import EngineConfig, GatewayConfig
 from protos.pdserve.v1 import generation_pb2 as pb
 from router import protocol as p
 from router.admission import Admission
-from router.auth import ApiKeyAuth
+from router.auth import ApiKeyAuth, load_api_keys
 from router.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, RateLimited, Unavailable, from_exception
 from router.grpc_serving import GrpcServing, metadata, set_error
 from router.metrics import CONTENT_TYPE, GatewayMetrics
@@ -161,7 +161,7 @@ class Gateway:
         self.model_name = engine_config.served_model_name or engine_config.model
         self.metrics = GatewayMetrics(replica=f"gateway-{uuid.uuid4().hex[:8]}")
         self.router = Router(engine_config, decode_handle, prefill_handle, self.metrics)
-        self.auth = ApiKeyAuth(config.api_keys)
+        self.auth = ApiKeyAuth(load_api_keys(config.api_keys, config.api_key_file))
         self.rate_limiter = RateLimiter(
             redis_url, config.rate_limit_rps, config.rate_limit_burst, self.metrics.rate_limit_errors.labels(self.metrics.replica)
         )

@@ -35,15 +35,31 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_serve_status_and_clean_stop(tiny_llama):
+def test_serve_status_and_clean_stop(tiny_llama, tmp_path):
+    from cluster.redis_server import free_port
+
+    http_port, grpc_port = free_port(), free_port()
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-from-file\n")
     proc = subprocess.Popen(
-        [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", "0"],
+        [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
+         "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file)],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
     )
     try:
-        lines = read_until(proc, r"pdserve is up", timeout_s=240)
+        lines = read_until(proc, r"Ctrl-C stops it", timeout_s=240)
+        # Ready for the openai SDK, with the key from the file.
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="sk-from-file", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="wrong", max_retries=0).models.list()
+        assert port_open(grpc_port)
         redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)", "".join(lines)).group(1))
         assert port_open(redis_port)
         status = subprocess.run([*PDSERVE, "status"], capture_output=True, text=True, timeout=120)
@@ -59,3 +75,10 @@ def test_serve_status_and_clean_stop(tiny_llama):
         if proc.poll() is None:
             proc.kill()
             pytest.fail("pdserve serve did not stop on Ctrl-C")
+
+
+def test_serve_refuses_an_empty_api_key_file(tmp_path):
+    empty = tmp_path / "keys"
+    empty.write_text("# no keys yet\n")
+    result = subprocess.run([*PDSERVE, "serve", "--api-key-file", str(empty)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "holds no keys" in result.stderr

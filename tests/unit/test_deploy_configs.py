@@ -175,6 +175,9 @@ def test_serve_yaml_matches_serves_schema(serve):
     assert app.import_path == "cluster.app:app_builder"
     assert schema.http_options.host == "0.0.0.0" and schema.http_options.port == 8000
     assert schema.grpc_options.port == 9000
+    from cluster.app import GRPC_SERVICER_FUNCTIONS
+
+    assert schema.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
 
 
 def test_serve_args_parse_as_cluster_config(serve):
@@ -195,7 +198,7 @@ def test_serve_args_parse_as_cluster_config(serve):
 def test_serve_deployments_scale_prefill_and_decode_separately(serve):
     args = app_of(serve)["args"]
     overrides = overrides_of(serve)
-    assert set(overrides) <= {"PrefillWorker", "DecodeWorker", "Router"}
+    assert set(overrides) <= {"PrefillWorker", "DecodeWorker", "Gateway"}
     assert {"PrefillWorker", "DecodeWorker"} <= set(overrides)
     scaling = {}
     for name, (key, _, tag) in TIERS.items():
