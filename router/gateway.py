@@ -28,7 +28,7 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from router import protocol as p
 from router.admission import Admission
 from router.auth import ApiKeyAuth, load_api_keys
-from router.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, RateLimited, Unavailable, from_exception
+from router.errors import BadRequest, GatewayError, NotFound, Overloaded, PayloadTooLarge, RateLimited, from_exception
 from router.grpc_serving import GrpcServing, metadata, set_error
 from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_serving import OpenAIServing
@@ -186,9 +186,14 @@ class Gateway:
         """Rate limit (per key, shared through Redis), then a running slot of this replica."""
         retry_after = await self.rate_limiter.acquire(api_key)
         if retry_after is not None:
+            self.metrics.rejected.labels(self.metrics.replica, "429").inc()
             raise RateLimited("rate limit exceeded for this API key", retry_after_s=max(1, round(retry_after + 0.5)))
-        async with self.admission.slot():
-            yield
+        try:
+            async with self.admission.slot():
+                yield
+        except Overloaded:  # (only the slot raises it, never the generation inside)
+            self.metrics.rejected.labels(self.metrics.replica, "503").inc()
+            raise
 
     # ---- HTTP --------------------------------------------------------------------------
 

@@ -28,13 +28,19 @@ class LiveCluster:
     redis: PrivateRedis
     handle: object = None
 
-    def redeploy(self, gateway: GatewayConfig = GatewayConfig(api_keys=(API_KEY,)), redis_url: str | None = None, gateways: int = 1):
+    def redeploy(
+        self,
+        gateway: GatewayConfig = GatewayConfig(api_keys=(API_KEY,)),
+        redis_url: str | None = None,
+        gateways: int = 1,
+        transport: TransportConfig = TransportConfig(timeout_s=10.0),
+    ):
         config = ClusterConfig(
             engine=self.engine_config,
             prefill=TierConfig(num_cpus=0.5),
             decode=TierConfig(num_cpus=0.5),
             router=TierConfig(num_replicas=gateways, num_cpus=0.1),
-            transport=TransportConfig(timeout_s=10.0),
+            transport=transport,
             redis_url=redis_url or self.redis.url,
             gateway=gateway,
         )

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import redis
 
-from cluster.config import GatewayConfig
+from cluster.config import GatewayConfig, TransportConfig
 from cluster.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import wait_until
@@ -81,6 +81,21 @@ def test_health_ready_and_metrics(live, auth):
         assert re.search(rf'pdserve_kv_cache_usage_ratio\{{replica="{tier}-\w+",tier="{tier}"\}} 0', text)
         assert re.search(rf'pdserve_requests_running\{{tier="{tier}"\}} 0', text)
         assert re.search(rf'pdserve_requests_waiting\{{tier="{tier}"\}} 0', text)
+
+
+def test_ready_is_503_when_the_kv_transfer_path_is_broken(live, auth):
+    # Every KV transfer fails and the policy is `fail`: no token can get through
+    # prefill -> transfer -> decode, so the cluster is not ready, though alive.
+    live.redeploy(transport=TransportConfig(timeout_s=10.0, failure_policy="fail", fail_every_nth=1))
+    try:
+        response = httpx.get(live.http_url + "/ready", headers=auth, timeout=60)
+        assert response.status_code == 503 and response.json()["status"] == "unavailable"
+        assert httpx.get(live.http_url + "/health").status_code == 200
+        failed = httpx.post(live.http_url + "/v1/completions", headers=auth, json=completion(), timeout=60)
+        assert failed.status_code == 503 and "Traceback" not in failed.text
+    finally:
+        live.redeploy()
+    assert httpx.get(live.http_url + "/ready", headers=auth, timeout=60).status_code == 200
 
 
 async def _admission_run(live, auth):

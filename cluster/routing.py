@@ -1,0 +1,43 @@
+"""Where a request should run: the hint the gateway attaches to a request and Serve's
+request router (router/replica_router.py) reads, and each worker's identity.
+
+A worker's id is `<tier>-<replica>`, where `replica` is Serve's unique id of the
+replica that runs it: the prefix index, stats and metrics name workers by it, and the
+request router finds the replica by it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """At most one of `replica` (this replica, if running: a KV-aware choice) and
+    `affinity_key` (rendezvous hashing over the running replicas) is set; otherwise
+    `policy` (round_robin or power_of_two) decides."""
+
+    replica: str | None = None
+    affinity_key: bytes | None = None
+    policy: str = "power_of_two"
+
+
+def replica_unique_id() -> str:
+    """Serve's id of the replica running this code (a random one outside Serve)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a Serve replica (tests, scripts)
+        return uuid.uuid4().hex[:8]
+
+
+def worker_id(tier: str, replica: str) -> str:
+    return f"{tier}-{replica}"
+
+
+def replica_of(worker: str) -> str:
+    return worker.split("-", 1)[1]
