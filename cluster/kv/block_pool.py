@@ -40,9 +40,9 @@ class BlockPool:
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._block_of: dict[BlockHash, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Events since the last take_events(), for the prefix index (publishing is elsewhere).
-        self._stored: list[BlockHash] = []
-        self._evicted: list[BlockHash] = []
+        # Net change per hash since the last take_events() (True: now cached, False: now
+        # gone), for the prefix index; a later change of a hash overrides an earlier one.
+        self._changes: dict[BlockHash, bool] = {}
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -124,7 +124,7 @@ class BlockPool:
             return False
         self._hash_of[block_id] = block_hash
         self._block_of[block_hash] = block_id
-        self._stored.append(block_hash)
+        self._changes[block_hash] = True
         return True
 
     def reset_prefix_cache(self) -> None:
@@ -133,17 +133,22 @@ class BlockPool:
             self._forget_hash(block_id)
 
     def take_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(stored, evicted) hashes since the last call."""
-        stored, evicted = self._stored, self._evicted
-        self._stored, self._evicted = [], []
-        return stored, evicted
+        """(stored, evicted): the net change since the last call. A hash stored and then
+        evicted in between is only `evicted` (its removal is harmless to repeat); one
+        evicted and stored again is only `stored`."""
+        changes, self._changes = self._changes, {}
+        return [h for h, cached in changes.items() if cached], [h for h, cached in changes.items() if not cached]
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash held now (in use or idle): the authoritative snapshot."""
+        return list(self._block_of)
 
     def _forget_hash(self, block_id: int) -> None:
         h = self._hash_of[block_id]
         if h is not None:
             self._hash_of[block_id] = None
             del self._block_of[h]
-            self._evicted.append(h)
+            self._changes[h] = False
 
     # ---- invariants ----------------------------------------------------------
     def check_integrity(self, expected_refs: Sequence[int] | None = None) -> None:

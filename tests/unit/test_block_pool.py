@@ -49,7 +49,18 @@ def test_cached_blocks_survive_free_and_are_evicted_lru():
     assert pool.allocate(2) == [3, 2]
     assert pool.cached_prefix(h) == [0, 1]
     stored, evicted = pool.take_events()
-    assert stored == h and evicted == [h[2]]
+    assert stored == h[:2] and evicted == [h[2]]  # net change: h[2] was stored, then evicted
+    assert pool.take_events() == ([], [])
+    assert sorted(pool.cached_hashes()) == sorted(h[:2])
+    # Evicted and stored again in one window: stored.
+    (b,) = pool.allocate(1)
+    pool.cache_block(b, h[2])
+    pool.free([b])
+    pool.reset_prefix_cache()
+    (b,) = pool.allocate(1)
+    pool.cache_block(b, h[2])
+    stored, evicted = pool.take_events()
+    assert stored == [h[2]] and sorted(evicted) == sorted(h[:2])
     pool.check_integrity()
 
 
