@@ -16,11 +16,13 @@ import importlib.metadata
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig, TierConfig, from_dict
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.gateway import Gateway
+from router.replica_router import IMPORT_PATH as HINTED_REQUEST_ROUTER
 
 
 def tier_options(tier: TierConfig) -> dict:
@@ -56,6 +58,8 @@ def code_version(*args) -> str:
 def build_app(config: ClusterConfig) -> Application:
     def deployment(cls, tier: TierConfig, *args):
         d = serve.deployment(cls, name=cls.__name__, **tier_options(tier))
+        if cls is not Gateway:  # workers are placed by the gateway's route hints
+            d = d.options(request_router_config=RequestRouterConfig(request_router_class=HINTED_REQUEST_ROUTER))
         # Public options refuse `version` since Serve 2.x; `_internal` is the way Serve's own
         # config deploys pass one (Ray is pinned, see pyproject.toml).
         return d.options(version=code_version(cls.__name__, *args), _internal=True)
@@ -63,17 +67,21 @@ def build_app(config: ClusterConfig) -> Application:
     def engine_for(tier: TierConfig):
         return dataclasses.replace(config.engine, num_threads=tier.torch_threads)
 
-    gateway_args = (config.engine, config.gateway, config.redis_url)
+    gateway_args = (config.engine, config.gateway, config.routing, config.redis_url)
     # The gateway config's repr leaves out the API keys; their digest still versions it.
     gateway_version = (*gateway_args, hashlib.sha256("\n".join(config.gateway.api_keys).encode()).hexdigest())
     if config.colocated:
         decode_args = (engine_for(config.decode), config.transport)
-        decode = deployment(DecodeWorker, config.decode, *decode_args).bind(*decode_args)
+        decode = deployment(DecodeWorker, config.decode, *decode_args, config.redis_url).bind(
+            *decode_args, redis_url=config.redis_url
+        )
         return deployment(Gateway, config.router, *gateway_version, "colocated").bind(*gateway_args, decode)
-    prefill_args = (engine_for(config.prefill), config.transport)
+    prefill_args = (engine_for(config.prefill), config.transport, config.redis_url)
     prefill = deployment(PrefillWorker, config.prefill, *prefill_args).bind(*prefill_args)
     decode_args = (engine_for(config.decode), config.transport)
-    decode = deployment(DecodeWorker, config.decode, *decode_args, "disaggregated").bind(*decode_args, prefill)
+    decode = deployment(DecodeWorker, config.decode, *decode_args, config.redis_url, "disaggregated").bind(
+        *decode_args, prefill, redis_url=config.redis_url
+    )
     return deployment(Gateway, config.router, *gateway_version, "disaggregated").bind(*gateway_args, decode, prefill)
 
 

@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-gib", type=float, default=1.0)
     s.add_argument("--torch-threads", type=int, default=1, help="torch threads per worker replica")
     s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    s.add_argument("--routing", choices=["kv_aware", "prefix_hash", "round_robin", "power_of_two"], default="kv_aware",
+                   help="how the gateway places requests on workers (kv_aware: the Redis prefix index)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the model directory)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: every interface)")
     s.add_argument("--api-key", action="append", help="require this API key (repeatable; also $PDSERVE_API_KEY)")

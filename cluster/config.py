@@ -123,6 +123,26 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """How the gateway places requests on workers (router/router.py, cluster/routing.py)."""
+
+    policy: str = "kv_aware"  # kv_aware | prefix_hash | round_robin | power_of_two
+    index_timeout_s: float = 0.05  # a prefix-index lookup slower than this falls back to prefix_hash
+    # kv_aware cost, in tokens of prefill work: moving one token's KV costs this much ...
+    transfer_weight: float = 0.1
+    # ... and each request already running on a decode worker this much.
+    running_weight: float = 16.0
+
+    def __post_init__(self) -> None:
+        from cluster.routing import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.index_timeout_s <= 0 or self.transfer_weight < 0 or self.running_weight < 0:
+            raise ValueError("index_timeout_s must be > 0 and the weights >= 0")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     engine: EngineConfig
     prefill: TierConfig = TierConfig()
@@ -134,6 +154,7 @@ class ClusterConfig:
     grpc_port: int = 9000
     redis_url: str | None = None
     gateway: GatewayConfig = GatewayConfig()
+    routing: RoutingConfig = RoutingConfig()
 
 
 def from_dict(cls, data: dict):

@@ -15,7 +15,7 @@ APP_NAME = "pdserve"
 
 def config_from_args(args):
     from cluster.cli import builtin_model_dir
-    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, TierConfig
+    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, RoutingConfig, TierConfig
     from router.auth import load_api_keys
 
     if args.api_key_file:
@@ -44,6 +44,7 @@ def config_from_args(args):
         grpc_port=args.grpc_port,
         redis_url=args.redis_url,
         gateway=gateway,
+        routing=RoutingConfig(policy=args.routing),
     )
 
 

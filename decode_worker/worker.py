@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine, RequestOutput
+from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.transport import KVTransferError, KVTransport
+from cluster.routing import replica_unique_id, worker_id
 from decode_worker.messages import GenerateRequest
 from prefill_worker.messages import PrefillRequest, PrefillResult
 
@@ -42,13 +43,19 @@ class TransferFailedError(RuntimeError):
 
 
 class DecodeWorker:
-    def __init__(self, engine_config: EngineConfig, transport: TransportConfig, prefill_handle=None):
+    def __init__(self, engine_config: EngineConfig, transport: TransportConfig, prefill_handle=None, redis_url: str | None = None):
         """Without a prefill handle the worker is colocated. Arguments are only what the
-        replica runs on: scaling a tier must not change them (Serve would restart it)."""
-        self.worker_id = f"decode-{uuid.uuid4().hex[:8]}"
+        replica runs on: scaling a tier must not change them (Serve would restart it).
+        With a `redis_url` the worker publishes its prefix cache to the index."""
+        self.replica = replica_unique_id()
+        self.worker_id = worker_id("decode", self.replica)
         self.colocated = prefill_handle is None
         self.policy = transport.failure_policy
         self.engine = AsyncEngine(Engine(engine_config))
+        self.index = None
+        if redis_url:
+            self.index = IndexPublisher.for_engine(self.engine, redis_url, "decode", self.replica, engine_config)
+            self.index.start()
         self.prefill = prefill_handle
         self.transport = None
         if not self.colocated:
@@ -59,6 +66,14 @@ class DecodeWorker:
         self._closed = False
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self._generate(req):
+                yield out
+        finally:
+            if self.index is not None:
+                self.index.nudge()  # its blocks are cached now (or freed): let the index know soon
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.colocated:
             async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id):
                 yield out
@@ -77,6 +92,7 @@ class DecodeWorker:
                     decode_address=self.transport.address,
                     num_cached_tokens=num_cached,
                     num_blocks=len(block_ids),
+                    route=req.prefill_route,
                 )
             )
             loop = asyncio.get_running_loop()
@@ -129,6 +145,7 @@ class DecodeWorker:
             **await self.engine.call(Engine.checked_stats),
             **self._counts,
             "transport": self.transport.stats() if self.transport else {},
+            "index": self.index.counts if self.index else {},
         }
 
     def shutdown(self) -> None:
@@ -140,5 +157,7 @@ class DecodeWorker:
             self.transport.close()
         self.engine.shutdown()
 
-    def __del__(self):  # Serve calls this when the replica stops
+    async def __del__(self):  # Serve awaits this when the replica stops
+        if self.index is not None:
+            await self.index.close()  # out of the index at once
         self.shutdown()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from cluster.engine.engine import TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.transport import StoreAddress
+from cluster.routing import RouteHint
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class PrefillRequest:
     decode_address: StoreAddress  # its rendezvous store
     num_cached_tokens: int  # prompt tokens the decode already holds (whole blocks)
     num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
+    route: RouteHint = RouteHint()  # which prefill replica (read by Serve's request router)
 
 
 @dataclass(frozen=True)

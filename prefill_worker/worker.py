@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
+from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
+from cluster.routing import replica_unique_id, worker_id
 from prefill_worker.messages import PrefillRequest, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -32,11 +34,17 @@ SENDER_THREADS = 8
 
 
 class PrefillWorker:
-    def __init__(self, engine_config: EngineConfig, transport: TransportConfig):
+    def __init__(self, engine_config: EngineConfig, transport: TransportConfig, redis_url: str | None = None):
         """Arguments are only what the replica runs on: scaling a tier (num_replicas,
-        autoscaling) must not change them, or Serve would restart the replicas."""
-        self.worker_id = f"prefill-{uuid.uuid4().hex[:8]}"
+        autoscaling) must not change them, or Serve would restart the replicas. With a
+        `redis_url` the worker publishes its prefix cache to the index."""
+        self.replica = replica_unique_id()
+        self.worker_id = worker_id("prefill", self.replica)
         self.engine = AsyncEngine(Engine(engine_config))
+        self.index = None
+        if redis_url:
+            self.index = IndexPublisher.for_engine(self.engine, redis_url, "prefill", self.replica, engine_config)
+            self.index.start()
         t = transport
         self.transport = KVTransport(
             "prefill",
@@ -59,6 +67,8 @@ class PrefillWorker:
         out = None
         async for out in self.engine.generate(req.prompt_token_ids, first, req.request_id, hold_kv=True):
             pass
+        if self.index is not None:
+            self.index.nudge()  # the prompt's blocks are cached now: let the index know soon
         try:
             blocks = await self.engine.call(lambda e: e.block_table(req.request_id))
         except BaseException:  # cancelled (the decode side gave up): the held blocks return
@@ -89,12 +99,13 @@ class PrefillWorker:
             self.engine.abort(req.request_id)  # releases the held blocks, on the engine thread
 
     async def stats(self) -> dict:
-        """Queue depths, KV usage and transfer counters; asserts the block invariant."""
+        """Queue depths, KV usage, prefix-cache and transfer counters; asserts the block invariant."""
         return {
             "worker_id": self.worker_id,
             "tier": "prefill",
             **await self.engine.call(Engine.checked_stats),
             "transport": self.transport.stats(),
+            "index": self.index.counts if self.index else {},
         }
 
     def shutdown(self) -> None:
@@ -105,5 +116,7 @@ class PrefillWorker:
         self.transport.close()
         self.engine.shutdown()
 
-    def __del__(self):  # Serve calls this when the replica stops
+    async def __del__(self):  # Serve awaits this when the replica stops
+        if self.index is not None:
+            await self.index.close()  # out of the index at once
         self.shutdown()

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.config import EngineConfig, GatewayConfig
+from cluster.config import EngineConfig, GatewayConfig, RoutingConfig
 from protos.pdserve.v1 import generation_pb2 as pb
 from router import protocol as p
 from router.admission import Admission
@@ -156,11 +156,19 @@ async def _internal_error(request: Request, e: Exception):
 
 @serve.ingress(api)
 class Gateway:
-    def __init__(self, engine_config: EngineConfig, config: GatewayConfig, redis_url: str | None, decode_handle, prefill_handle=None):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: GatewayConfig,
+        routing: RoutingConfig,
+        redis_url: str | None,
+        decode_handle,
+        prefill_handle=None,
+    ):
         self.config = config
         self.model_name = engine_config.served_model_name or engine_config.model
         self.metrics = GatewayMetrics(replica=f"gateway-{uuid.uuid4().hex[:8]}")
-        self.router = Router(engine_config, decode_handle, prefill_handle, self.metrics)
+        self.router = Router(engine_config, decode_handle, prefill_handle, self.metrics, routing, redis_url)
         self.auth = ApiKeyAuth(load_api_keys(config.api_keys, config.api_key_file))
         self.rate_limiter = RateLimiter(
             redis_url, config.rate_limit_rps, config.rate_limit_burst, self.metrics.rate_limit_errors.labels(self.metrics.replica)

@@ -54,6 +54,18 @@ class GatewayMetrics:
             "pdserve_requests_rejected", "Requests refused before any work, by HTTP status.",
             ["replica", "status"], registry=self.registry,
         )
+        self.route_fallbacks = Counter(
+            "pdserve_route_fallbacks", "kv_aware placements that fell back to prefix_hash, by reason.",
+            ["reason"], registry=self.registry,
+        )
+        self.index_lookup = Histogram(
+            "pdserve_route_index_lookup_seconds", "Prefix-index lookups (one Redis round trip), failed ones included.",
+            registry=self.registry, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        )
+        self.predicted_hits = Counter(
+            "pdserve_route_predicted_hit_tokens", "Prompt tokens the prefix index said the chosen worker holds.",
+            ["tier", "replica"], registry=self.registry,
+        )
         self.rate_limit_errors = Counter(
             "pdserve_rate_limit_errors", "Rate-limit decisions Redis could not make (the request was let through).",
             labels, registry=self.registry,
@@ -113,6 +125,12 @@ class _WorkerCollector:
         transfer_seconds = SummaryMetricFamily(
             "pdserve_kv_transfer_seconds", "Time decode workers spent receiving KV transfers (successful ones)."
         )
+        queried = CounterMetricFamily(
+            "pdserve_prefix_cache_query_tokens", "Prompt tokens of requests admitted by a worker.", labels=["tier", "replica"]
+        )
+        hit = CounterMetricFamily(
+            "pdserve_prefix_cache_hit_tokens", "Of those, tokens found in the worker's prefix cache.", labels=["tier", "replica"]
+        )
         transfer_failures = CounterMetricFamily(
             "pdserve_kv_transfer_failures", "KV transfers that failed (then recomputed or failed per policy).", labels=["tier"]
         )
@@ -123,6 +141,8 @@ class _WorkerCollector:
             failed = 0
             for worker_id, s in workers.items():
                 usage.add_metric([tier, worker_id], s["kv_usage"])
+                queried.add_metric([tier, worker_id], s.get("prefix_query_tokens", 0))
+                hit.add_metric([tier, worker_id], s.get("prefix_hit_tokens", 0))
                 t = s.get("transport") or {}
                 failed += t.get("transfers_failed", 0)
                 if tier == "decode":
@@ -132,4 +152,4 @@ class _WorkerCollector:
             transfer_failures.add_metric([tier], failed)
         transfer_bytes.add_metric([], received)
         transfer_seconds.add_metric([], count_value=transfers, sum_value=seconds)
-        yield from (running, waiting, usage, transfer_bytes, transfer_seconds, transfer_failures)
+        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures)

@@ -3,11 +3,10 @@
     generate(prompt, params) -> AsyncIterator[RequestOutput]
 
 It validates and tokenizes at the edge (bad input raises InvalidRequestError before any
-worker is involved), streams a request's deltas from a decode worker (which pairs
-itself with a prefill worker), and observes each stream's latency. A stream its
-consumer abandons is cancelled, which aborts the request on every tier.
-Which replicas serve a request is Ray Serve's choice for now (its default router
-balances by queue length); KV-cache-aware pairing replaces it in the routing work.
+worker is involved), places the request on a (prefill, decode) pair by the routing
+policy (router/placement.py), streams its deltas from the decode worker (which calls
+the chosen prefill worker), and observes each stream's latency. A stream its consumer
+abandons is cancelled, which aborts the request on every tier.
 """
 
 from __future__ import annotations
@@ -17,20 +16,30 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, RoutingConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.sampling_params import SamplingParams
 from decode_worker.messages import GenerateRequest
 from router.metrics import GatewayMetrics
+from router.placement import Placer
 
 
 class Router:
-    def __init__(self, engine_config: EngineConfig, decode_handle, prefill_handle=None, metrics: GatewayMetrics | None = None):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        decode_handle,
+        prefill_handle=None,
+        metrics: GatewayMetrics | None = None,
+        routing: RoutingConfig = RoutingConfig(),
+        redis_url: str | None = None,
+    ):
         self.inputs = InputProcessor.from_model_dir(engine_config.model, engine_config.max_model_len)
         self.decode = decode_handle
         self.prefill = prefill_handle
         self.metrics = metrics or GatewayMetrics(replica=uuid.uuid4().hex[:8])
+        self.placer = Placer(engine_config, routing, redis_url, colocated=prefill_handle is None, metrics=self.metrics)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
 
@@ -44,11 +53,16 @@ class Router:
         ids = self.inputs.process(prompt, params)
         request_id = request_id or self.new_request_id()
         timer = self.metrics.track()
-        stream = self.decode.options(stream=True).generate.remote(GenerateRequest(request_id, ids, params))
+        placement = await self.placer.place(ids)
+        self.placer.started(placement)
+        request = GenerateRequest(request_id, ids, params, route=placement.decode, prefill_route=placement.prefill)
+        stream = self.decode.options(stream=True).generate.remote(request)
         status, finish_reason = "error", None
         try:
             async for out in stream:
                 if out.new_token_ids:
+                    if timer.last is None:
+                        self.placer.first_token(placement)
                     timer.output()
                 if out.finished:
                     status, finish_reason = ("ok" if out.finish_reason != "abort" else "aborted"), out.finish_reason
@@ -59,6 +73,7 @@ class Router:
         finally:
             if finish_reason is None:
                 stream.cancel()  # abandoned or failed: abort on the decode (and prefill) tier
+            self.placer.finished(placement)
             timer.finish(status, finish_reason)
 
     async def worker_stats(self) -> dict:

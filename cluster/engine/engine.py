@@ -293,6 +293,17 @@ class Engine:
             "used_blocks": self.pool.num_used_blocks,
             "kv_usage": self.pool.usage,
             "finished": dict(self.finish_counts),
+            "prefix_query_tokens": s.prefix_query_tokens,
+            "prefix_hit_tokens": s.prefix_hit_tokens,
+        }
+
+    def load(self) -> dict:
+        """What the router weighs (published to the prefix index with each heartbeat)."""
+        s = self.scheduler
+        return {
+            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            "running": len(s.running) + len(s.receiving),
+            "kv_usage": round(self.pool.usage, 4),
         }
 
     # ---- batch API ---------------------------------------------------------------------

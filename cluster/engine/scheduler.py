@@ -71,6 +71,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.receiving: dict[str, Request] = {}  # WAITING_FOR_KV: blocks reserved, KV in flight
         self.held: dict[str, Request] = {}  # finished, blocks kept until released (hold_kv)
+        self.prefix_query_tokens = 0  # prompt tokens of admitted requests ...
+        self.prefix_hit_tokens = 0  # ... and those found in the prefix cache
 
     # ---- queue management ------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -104,6 +106,11 @@ class Scheduler:
             self.kv.free(request)
         return request is not None
 
+    def _count_prefix_lookup(self, num_prompt_tokens: int, num_cached: int) -> None:
+        """Prefix-cache effectiveness, counted once per request at its first admission."""
+        self.prefix_query_tokens += num_prompt_tokens
+        self.prefix_hit_tokens += num_cached
+
     # ---- KV computed elsewhere (disaggregated decode) ------------------------------
     def add_remote_request(self, request: Request) -> tuple[list[int], int] | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send.
@@ -120,6 +127,7 @@ class Scheduler:
             return None
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_prompt_tokens = num_cached
+        self._count_prefix_lookup(request.num_prompt_tokens, num_cached)
         self.requests[request.request_id] = request
         self.receiving[request.request_id] = request
         return self.kv.block_table(request.request_id)[num_cached // self.kv.block_size :], num_cached
@@ -185,10 +193,11 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
             if request.status == RequestStatus.WAITING:
                 out.new_request_ids.append(request.request_id)
+                self._count_prefix_lookup(request.num_prompt_tokens, request.num_cached_prompt_tokens)
             request.status = RequestStatus.RUNNING
-            request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
             self.running.append(request)
             out.num_scheduled_tokens[request.request_id] = n
             scheduled.append(request)

@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cluster.kv.hashing import BlockHash
+from cluster.routing import worker_id
 
 log = logging.getLogger(__name__)
 
@@ -184,17 +185,43 @@ class IndexPublisher:
         self._seq = 0
         self._needs_snapshot = True
         self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._failing = False
         self.counts = {"snapshots": 0, "batches": 0, "gaps": 0, "errors": 0, "fenced": 0}
 
+    @classmethod
+    def for_engine(cls, engine, redis_url: str, tier: str, replica: str, config) -> IndexPublisher:
+        """A publisher for an AsyncEngine's prefix cache (EngineConfig `config`); every
+        read runs on the engine's thread, between steps."""
+
+        def snapshot(e) -> list[BlockHash]:
+            e.pool.take_events()  # the snapshot covers them
+            return e.pool.cached_hashes()
+
+        return cls(
+            redis_url, worker_id(tier, replica), tier, replica, config.model_id, config.cache.block_size,
+            take_events=lambda: engine.call(lambda e: e.pool.take_events()),
+            snapshot=lambda: engine.call(snapshot),
+            load=lambda: engine.call(lambda e: e.load()),
+        )
+
     def start(self) -> None:
+        """Publish and heartbeat from a task on the running loop (a Serve replica's)."""
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def nudge(self) -> None:
+        """Publish now rather than at the next heartbeat (e.g. a request just cached blocks)."""
+        self._wake.set()
 
     async def _run(self) -> None:
         while True:
             await self.sync()
-            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
+            except TimeoutError:
+                pass
+            self._wake.clear()
 
     async def sync(self, timeout_s: float = 2.0) -> bool:
         """Publish what changed (or a snapshot after a gap) and heartbeat. True if the

@@ -13,7 +13,16 @@ import ray
 from ray import serve
 
 from cluster.app import build_app, grpc_options
-from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, SchedulerConfig, TierConfig, TransportConfig
+from cluster.config import (
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    GatewayConfig,
+    RoutingConfig,
+    SchedulerConfig,
+    TierConfig,
+    TransportConfig,
+)
 from cluster.redis_server import PrivateRedis, free_port
 
 API_KEY = "sk-test-0123456789"
@@ -34,15 +43,18 @@ class LiveCluster:
         redis_url: str | None = None,
         gateways: int = 1,
         transport: TransportConfig = TransportConfig(timeout_s=10.0),
+        prefills: int = 1,
+        routing: RoutingConfig = RoutingConfig(),
     ):
         config = ClusterConfig(
             engine=self.engine_config,
-            prefill=TierConfig(num_cpus=0.5),
+            prefill=TierConfig(num_replicas=prefills, num_cpus=0.5),
             decode=TierConfig(num_cpus=0.5),
             router=TierConfig(num_replicas=gateways, num_cpus=0.1),
             transport=transport,
             redis_url=redis_url or self.redis.url,
             gateway=gateway,
+            routing=routing,
         )
         self.handle = serve.run(build_app(config), name="pdserve", route_prefix="/")
         return self.handle

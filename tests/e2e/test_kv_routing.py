@@ -1,0 +1,129 @@
+"""KV-cache-aware routing on a real local cluster with 2 prefill workers and a real
+redis-server: a shuffled shared-prefix workload gets (nearly) the ideal prefix hits
+under kv_aware and clearly fewer under round_robin; what the index promised equals
+what the workers found; with Redis killed every request still completes (the fallback
+is counted) and once Redis is back the index recovers with no worker restarted."""
+
+import random
+
+import httpx
+import pytest
+
+from cluster.config import GatewayConfig, RoutingConfig
+from cluster.engine.sampling_params import SamplingParams
+from cluster.kv.hashing import hash_prefix_blocks
+from cluster.redis_server import PrivateRedis
+from tests.e2e.conftest import API_KEY
+from tests.e2e.test_gateway_edge import metric
+from tests.helpers import wait_until
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+NUM_PREFIXES, SUFFIXES_PER_PREFIX, PREFIX_LEN, SUFFIX_LEN = 8, 3, 64, 10
+
+
+def workload(seed: int, vocab: int) -> list[list[int]]:
+    """NUM_PREFIXES long prefixes, each with SUFFIXES_PER_PREFIX suffixes, shuffled."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, vocab) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
+    prompts = [p + [rng.randrange(10, vocab) for _ in range(SUFFIX_LEN)] for p in prefixes for _ in range(SUFFIXES_PER_PREFIX)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def ideal_hit_tokens(prompts: list[list[int]], block_size: int, model_id: str) -> int:
+    """Hits of one cache that never forgets: each prompt's reusable blocks seen before."""
+    seen, total = set(), 0
+    for ids in prompts:
+        hashes = hash_prefix_blocks(ids[: (len(ids) - 1) // block_size * block_size], block_size, model_id)
+        hit = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
+        total += hit * block_size
+        seen.update(hashes)
+    return total
+
+
+def hit_tokens(handle) -> dict[str, int]:
+    stats = handle.worker_stats.remote().result()
+    return {tier: sum(s["prefix_hit_tokens"] for s in workers.values()) for tier, workers in stats.items()}
+
+
+def run(handle, prompts) -> None:
+    for ids in prompts:  # one at a time: each lookup sees what the previous request cached
+        outs = list(handle.options(stream=True).generate.remote(ids, GREEDY))
+        assert outs[-1].finish_reason == "length"
+
+
+def scrape(live) -> str:
+    return httpx.get(live.http_url + "/metrics").text
+
+
+@pytest.fixture(scope="module")
+def vocab(engine_config):
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(engine_config.model) / "config.json").read_text())["vocab_size"]
+
+
+def test_kv_aware_gets_the_ideal_hits_and_round_robin_does_not(live, engine_config, vocab):
+    results = {}
+    for seed, policy in enumerate(("kv_aware", "round_robin")):
+        handle = live.redeploy(prefills=2, routing=RoutingConfig(policy=policy))
+        prompts = workload(seed, vocab)  # fresh prefixes: earlier caches do not help
+        ideal = ideal_hit_tokens(prompts, engine_config.cache.block_size, engine_config.model_id)
+        before, predicted_before = hit_tokens(handle), metric(scrape(live), "pdserve_route_predicted_hit_tokens_total", tier="prefill")
+        run(handle, prompts)
+        after = hit_tokens(handle)
+        actual = after["prefill"] - before["prefill"]
+        predicted = metric(scrape(live), "pdserve_route_predicted_hit_tokens_total", tier="prefill") - predicted_before
+        results[policy] = (actual, ideal, predicted)
+    print("prefill hit tokens (actual, ideal, predicted):", results)
+    kv_actual, kv_ideal, kv_predicted = results["kv_aware"]
+    rr_actual, rr_ideal, _ = results["round_robin"]
+    assert kv_ideal > 0 and kv_actual >= 0.85 * kv_ideal, results
+    assert kv_predicted == kv_actual, results  # the index told the truth
+    assert rr_actual / rr_ideal < 0.8 * kv_actual / kv_ideal, results
+    assert metric(scrape(live), "pdserve_route_fallbacks_total") == 0
+
+
+def test_a_second_turn_lands_where_the_first_turns_kv_is(live, engine_config, vocab):
+    handle = live.redeploy(prefills=2, routing=RoutingConfig(policy="kv_aware"))
+    rng = random.Random(99)
+    first_turn = [rng.randrange(10, vocab) for _ in range(40)]
+    outs = list(handle.options(stream=True).generate.remote(first_turn, GREEDY))
+    reply = [t for o in outs for t in o.new_token_ids]
+    before = handle.worker_stats.remote().result()
+    second_turn = first_turn + reply + [rng.randrange(10, vocab) for _ in range(12)]
+    list(handle.options(stream=True).generate.remote(second_turn, GREEDY))
+    after = handle.worker_stats.remote().result()
+    for tier in ("prefill", "decode"):
+        gained = {w: after[tier][w]["prefix_hit_tokens"] - before[tier][w]["prefix_hit_tokens"] for w in after[tier]}
+        # One worker of the tier found the whole first turn (whole blocks of it) in its cache.
+        assert max(gained.values()) >= 40 // engine_config.cache.block_size * engine_config.cache.block_size, (tier, gained)
+
+
+def test_redis_down_degrades_to_prefix_hash_and_recovers_when_back(live, engine_config, vocab):
+    with PrivateRedis() as index_redis:
+        handle = live.redeploy(prefills=2, routing=RoutingConfig(policy="kv_aware"), redis_url=index_redis.url,
+                               gateway=GatewayConfig(api_keys=(API_KEY,)))
+        prompts = workload(7, vocab)
+        run(handle, prompts[:6])
+        assert metric(scrape(live), "pdserve_route_fallbacks_total") == 0
+        index_redis.stop()
+        run(handle, prompts[6:12])  # every request completes ...
+        assert metric(scrape(live), "pdserve_route_fallbacks_total", reason="index_unavailable") == 6  # ... degraded, counted
+        back = PrivateRedis(port=index_redis.port)  # empty: the workers must republish
+        try:
+            assert wait_until(
+                lambda: all(s["index"]["snapshots"] >= 2 for t in handle.worker_stats.remote().result().values() for s in t.values()),
+                timeout_s=20,
+            )
+            predicted_before = metric(scrape(live), "pdserve_route_predicted_hit_tokens_total", tier="prefill")
+            before = hit_tokens(handle)
+            run(handle, prompts[12:])
+            predicted = metric(scrape(live), "pdserve_route_predicted_hit_tokens_total", tier="prefill") - predicted_before
+            actual = hit_tokens(handle)["prefill"] - before["prefill"]
+            assert metric(scrape(live), "pdserve_route_fallbacks_total") == 6  # no new fallback
+            assert predicted == actual > 0  # the recovered index is true again
+        finally:
+            live.redeploy()
+            back.stop()
