@@ -88,6 +88,24 @@ def _cmd_bench_cluster(args: argparse.Namespace) -> int:
     return run_cluster_bench(args)
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from cluster.bench.serve_bench import run_serve_bench
+
+    return run_serve_bench(args)
+
+
+def _cmd_bench_sweep(args: argparse.Namespace) -> int:
+    from cluster.bench.sweep_compare import run_sweep
+
+    return run_sweep(args)
+
+
+def _cmd_bench_compare(args: argparse.Namespace) -> int:
+    from cluster.bench.sweep_compare import run_compare
+
+    return run_compare(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster.serve_main import run_serve
 
@@ -157,6 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--rounds", type=int, default=2)
     bc.add_argument("--result-dir", default="bench-results")
     bc.set_defaults(fn=_cmd_bench_cluster)
+
+    from cluster.bench.serve_bench import add_serve_flags
+    from cluster.bench.sweep_compare import add_compare_flags, add_sweep_flags
+
+    bs = bsub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server (vllm bench serve's flags)")
+    add_serve_flags(bs)
+    bs.set_defaults(fn=_cmd_bench_serve)
+    bw = bsub.add_parser("sweep", help="request-rate sweep: the highest rate meeting TTFT and TPOT SLOs for 90%% of requests")
+    add_serve_flags(bw)
+    add_sweep_flags(bw)
+    bw.set_defaults(fn=_cmd_bench_sweep)
+    bm = bsub.add_parser("compare", help="the same workload against two targets (URLs or local configs), alternately, as ratios")
+    add_serve_flags(bm)
+    add_compare_flags(bm)
+    bm.set_defaults(fn=_cmd_bench_compare)
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
     s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny model)")

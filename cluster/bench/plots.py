@@ -1,0 +1,84 @@
+"""PNG plots for the serving benchmarks (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _cdf(ax, values_ms, label):
+    if values_ms:
+        x = np.sort(values_ms)
+        ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=label)
+
+
+def plot_serve_result(result: dict, stem: Path) -> list[Path]:
+    """Latency CDFs (TTFT, ITL) and output throughput over time, next to the JSON."""
+    title = f"{result['model_id']} | {result['dataset_name']} | rate {result['request_rate']} req/s"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, name, values in (
+        (axes[0], "TTFT", [t * 1e3 for t in result["ttfts"]]),
+        (axes[1], "ITL", [t * 1e3 for itl in result["itls"] for t in itl]),
+    ):
+        _cdf(ax, values, name)
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of " + ("requests" if name == "TTFT" else "token gaps"))
+        ax.grid(alpha=0.3)
+        ax.set_ylim(0, 1.01)
+    fig.suptitle(title)
+    fig.tight_layout()
+    cdf = stem.parent / (stem.name + "-latency_cdf.png")
+    fig.savefig(cdf, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    series = result["output_throughput_over_time"]
+    ax.plot(range(len(series)), series, drawstyle="steps-post")
+    ax.axhline(result["output_throughput"], linestyle="--", color="gray", label=f"mean {result['output_throughput']:.1f} tok/s")
+    ax.set_xlabel("time since the first request (s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    throughput = stem.parent / (stem.name + "-throughput.png")
+    fig.savefig(throughput, dpi=110)
+    plt.close(fig)
+    return [cdf, throughput]
+
+
+def plot_attainment(rates: list[float], attainment: list[float], target: float, path: Path, title: str) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(rates, [a * 100 for a in attainment], marker="o")
+    ax.axhline(target * 100, linestyle="--", color="gray", label=f"{target:.0%} target")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("requests meeting TTFT and TPOT SLOs (%)")
+    ax.set_ylim(0, 101)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_compare(labels: tuple[str, str], metrics: dict[str, tuple[float, float]], path: Path) -> Path:
+    """Grouped bars of each metric for the two targets (medians over rounds)."""
+    names = list(metrics)
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.6))
+    for ax, name in zip(np.atleast_1d(axes), names):
+        a, b = metrics[name]
+        ax.bar([0, 1], [a, b], color=["#4c72b0", "#dd8452"])
+        ax.set_xticks([0, 1], labels, rotation=15)
+        ax.set_title(f"{name}\nB/A = {b / a:.2f}x" if a else name, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,364 @@
+"""`pdserve bench serve`: an online serving benchmark against any OpenAI-compatible
+server, with `vllm bench serve`'s flags, counting and result keys.
+
+Requests arrive at --request-rate (inf: all at once) with gamma-distributed gaps
+(--burstiness 1.0 is Poisson), at most --max-concurrency in flight. Multi-turn
+conversations send their turns one after another, each carrying the whole history.
+Against pdserve it also scrapes /metrics before and after: prefix-cache hit rate per
+tier, what the router predicted, and the KV bytes moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from cluster.bench import datasets
+from cluster.bench.openai_client import RequestResult, send
+from cluster.tokenizer import Tokenizer
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+# ---- arrivals and sending --------------------------------------------------------------
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds between successive arrivals: gamma(shape=burstiness, mean=1/rate); 0 if rate is inf."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n).tolist()
+
+
+async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[RequestResult], float, list[float]]:
+    """Send the workload; (results, duration, arrival times relative to the start)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    results: list[RequestResult] = []
+    arrivals: list[float] = []
+    multi_turn = args.dataset_name == "multi_turn"
+    total = sum(len(c.user_turns) for c in work) if multi_turn else len(work)
+    bar = tqdm(total=total, desc="requests", unit="req", disable=args.disable_tqdm)
+
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.request_timeout, limits=limits) as client:
+
+        async def one(prompt, prompt_len: int, output_len: int) -> RequestResult:
+            if gate is None:
+                r = await send(client, args.endpoint, model, prompt, output_len, args.ignore_eos, prompt_len)
+            else:
+                async with gate:
+                    r = await send(client, args.endpoint, model, prompt, output_len, args.ignore_eos, prompt_len)
+            results.append(r)
+            bar.update(1)
+            return r
+
+        async def conversation(conv: datasets.Conversation) -> None:
+            history: list[dict] = []
+            for user, output_len in zip(conv.user_turns, conv.output_lens):
+                history.append({"role": "user", "content": user})
+                r = await one(list(history), 0, output_len)
+                if not r.success:
+                    return  # a broken conversation does not go on
+                history.append({"role": "assistant", "content": r.text})
+
+        for warm in list(work)[: args.num_warmups]:  # not measured
+            if multi_turn:
+                await send(client, args.endpoint, model, [{"role": "user", "content": warm.user_turns[0]}], 4, True, 0)
+            else:
+                await send(client, args.endpoint, model, warm.prompt, min(4, warm.output_len), True, warm.prompt_len)
+
+        tasks = []
+        start = time.perf_counter()
+        for item, gap in zip(work, arrival_gaps(len(work), args.request_rate, args.burstiness, args.seed)):
+            if gap:
+                await asyncio.sleep(gap)
+            arrivals.append(time.perf_counter() - start)
+            coroutine = conversation(item) if multi_turn else one(item.prompt, item.prompt_len, item.output_len)
+            tasks.append(asyncio.create_task(coroutine))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return results, duration, arrivals
+
+
+# ---- what the server's own metrics say ---------------------------------------------------
+
+
+def scrape(base_url: str, api_key: str | None) -> dict[str, float] | None:
+    """pdserve's /metrics as {series: value} (None for a server without one)."""
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30,
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    values: dict[str, float] = {}
+    for line in response.text.splitlines():
+        m = re.match(r"^(pdserve_[a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if m:
+            values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return values
+
+
+def server_deltas(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+
+    def total(prefix: str, label: str = "") -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix) and label in k)
+
+    out = {"kv_transfer_bytes": total("pdserve_kv_transfer_bytes_total")}
+    for tier in ("prefill", "decode"):
+        query = total("pdserve_prefix_cache_query_tokens_total", f'tier="{tier}"')
+        hit = total("pdserve_prefix_cache_hit_tokens_total", f'tier="{tier}"')
+        predicted = total("pdserve_route_predicted_hit_tokens_total", f'tier="{tier}"')
+        if query:
+            out[f"{tier}_prefix_cache_hit_rate"] = hit / query
+            out[f"{tier}_prefix_cache_hit_tokens"] = hit
+            out[f"{tier}_route_predicted_hit_tokens"] = predicted
+    out["route_fallbacks"] = total("pdserve_route_fallbacks_total")
+    return out
+
+
+# ---- counting ----------------------------------------------------------------------------
+
+
+def _p_word(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def summarize(args, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.success]
+    values = {
+        "ttft": [r.ttft * 1e3 for r in ok],
+        "tpot": [(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in ok if r.output_len > 1],
+        "itl": [x * 1e3 for r in ok for x in r.itl],
+        "e2el": [r.latency * 1e3 for r in ok],
+    }
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_len for r in ok)
+    out = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "num_prompts": len(results),
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    selected = args.percentile_metrics.split(",")
+    for name in METRICS:
+        data = values[name] or [0.0]
+        out[f"mean_{name}_ms"] = float(np.mean(data))
+        out[f"median_{name}_ms"] = float(np.median(data))
+        out[f"std_{name}_ms"] = float(np.std(data))
+        if name in selected:
+            for p in percentiles:
+                out[f"p{_p_word(p)}_{name}_ms"] = float(np.percentile(data, p))
+    slo = goodput_slos(args.goodput)
+    good = sum(1 for r in ok if meets(r, slo))
+    out["request_goodput"] = good / duration if slo else None
+    out["failure_breakdown"] = dict(sorted(_count(r.error for r in results if not r.success).items()))
+    out["errors"] = [f"{r.error}: {r.detail}" for r in results if not r.success][:20]
+    out.update(_peaks(ok))
+    out["output_throughput_over_time"] = throughput_over_time(ok, min((r.start for r in ok), default=0.0))
+    out["input_lens"] = [r.prompt_len for r in ok]
+    out["output_lens"] = [r.output_len for r in ok]
+    out["ttfts"] = [r.ttft for r in ok]
+    out["itls"] = [r.itl for r in ok]
+    out["e2els"] = [r.latency for r in ok]
+    out["generated_texts"] = [r.text for r in ok]
+    return out
+
+
+def goodput_slos(specs: list[str] | None) -> dict[str, float]:
+    """`--goodput ttft:MS tpot:MS e2el:MS` as {metric: ms}."""
+    slo = {}
+    for spec in specs or ():
+        name, _, value = spec.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {spec!r}")
+        slo[name] = float(value)
+    return slo
+
+
+def meets(r: RequestResult, slo: dict[str, float]) -> bool:
+    if not r.success:
+        return False
+    tpot = (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else 0.0
+    measured = {"ttft": r.ttft * 1e3, "tpot": tpot * 1e3, "e2el": r.latency * 1e3}
+    return all(measured[k] <= v for k, v in slo.items())
+
+
+def _count(items) -> dict:
+    out: dict = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _peaks(ok: list[RequestResult]) -> dict:
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(r.start for r in ok)
+    per_second = throughput_over_time(ok, t0)
+    events = sorted([(r.start, 1) for r in ok] + [(r.start + r.latency, -1) for r in ok])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return {"max_output_tokens_per_s": max(per_second, default=0.0), "max_concurrent_requests": peak}
+
+
+def throughput_over_time(ok: list[RequestResult], t0: float) -> list[float]:
+    """Output tokens per 1-second bin since t0 (a delta's tokens spread evenly over its request's deltas)."""
+    bins: dict[int, float] = {}
+    for r in ok:
+        if r.token_times:
+            per_delta = r.output_len / len(r.token_times)
+            for t in r.token_times:
+                bins[int(t - t0)] = bins.get(int(t - t0), 0.0) + per_delta
+    return [bins.get(i, 0.0) for i in range(max(bins) + 1)] if bins else []
+
+
+# ---- the command -------------------------------------------------------------------------
+
+
+def resolve_model(args) -> str:
+    if args.model:
+        return args.model
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
+def run_once(args) -> dict:
+    """One benchmark run; the result dict (vllm bench serve's keys, plus server metrics)."""
+    model = resolve_model(args)
+    tokenizer_dir = args.tokenizer or model
+    if not (Path(tokenizer_dir) / "tokenizer.json").exists():
+        raise ValueError(f"no tokenizer.json in {tokenizer_dir!r}: pass --tokenizer MODEL_DIR")
+    tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+    work = datasets.load(args, tokenizer)
+    before = scrape(args.base_url, args.api_key)
+    results, duration, arrivals = asyncio.run(_run(args, model, work, tokenizer))
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai-chat" if args.endpoint.endswith("chat/completions") else "openai",
+        "endpoint": args.endpoint,
+        "base_url": args.base_url,
+        "model_id": model,
+        "tokenizer_id": tokenizer_dir,
+        "dataset_name": args.dataset_name,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **summarize(args, results, duration),
+        "arrival_times": arrivals,
+        "server_metrics": server_deltas(before, scrape(args.base_url, args.api_key)),
+    }
+    for item in args.metadata or ():
+        key, _, value = item.partition("=")
+        result[key] = value
+    return result
+
+
+def print_summary(result: dict) -> None:
+    rows = [
+        ("Successful requests", result["completed"]),
+        ("Failed requests", f"{result['failed']} {result['failure_breakdown'] or ''}"),
+        ("Benchmark duration (s)", f"{result['duration']:.2f}"),
+        ("Total input tokens", result["total_input_tokens"]),
+        ("Total generated tokens", result["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
+    ]
+    if result.get("request_goodput") is not None:
+        rows.append(("Request goodput (req/s)", f"{result['request_goodput']:.2f}"))
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        rows.append((f"-- {title} --", ""))
+        for key in sorted(k for k in result if k.endswith(f"_{name}_ms")):
+            rows.append((f"{key.split('_')[0].capitalize()} {name.upper()} (ms)", f"{result[key]:.2f}"))
+    server = result.get("server_metrics")
+    if server:
+        rows.append(("-- Server (pdserve /metrics) --", ""))
+        rows += [(k, f"{v:.4g}") for k, v in server.items()]
+    print("{s:=^60}".format(s=" Serving Benchmark Result "))
+    for label, value in rows:
+        print(f"{label:<44}{value!s:>16}" if value != "" else "{s:-^60}".format(s=label.strip("- ").join("  ")))
+    print("=" * 60)
+
+
+def result_path(args, result: dict) -> Path:
+    if args.result_filename:
+        name = args.result_filename
+    else:
+        model = re.sub(r"[^A-Za-z0-9._-]+", "_", str(result["model_id"]).strip("/").split("/")[-1])
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        name = f"pdserve-{result['request_rate']}qps{concurrency}-{model}-{result['date']}.json"
+    return Path(args.result_dir or ".") / name
+
+
+def run_serve_bench(args) -> int:
+    from cluster.bench.plots import plot_serve_result
+
+    result = run_once(args)
+    print_summary(result)
+    if args.save_result:
+        path = result_path(args, result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+        for plot in plot_serve_result(result, path.with_suffix("")):
+            print(f"wrote {plot}")
+    return 0 if result["completed"] else 1
+
+
+def add_serve_flags(p) -> None:
+    """`vllm bench serve`'s flags (same names and meanings)."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", help="the model name the server serves (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", help="model directory with tokenizer.json (default: --model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--dataset-name", choices=datasets.DATASETS, default="random")
+    p.add_argument("--dataset-path", help="ShareGPT JSON for sharegpt / multi_turn")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests (multi_turn: conversations)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1.0 is Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 25,50,99")
+    p.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--save-result", action="store_true", help="write the result JSON and PNG plots")
+    p.add_argument("--result-dir", default=None)
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="added to the result JSON")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--disable-tqdm", action="store_true")

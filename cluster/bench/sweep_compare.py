@@ -1,0 +1,187 @@
+"""`pdserve bench sweep` and `pdserve bench compare`, built on `bench serve`.
+
+sweep    runs the workload at each --request-rates rate and reports SLO attainment:
+         the fraction of requests (failed ones count as misses) whose TTFT and TPOT are
+         both within --slo-ttft-ms / --slo-tpot-ms. The answer is the highest rate with
+         attainment >= --attainment (0.9): goodput as DistServe defines it.
+compare  runs the same workload against two targets, alternately for --rounds rounds,
+         and reports B/A ratios of the medians over rounds. A target is a URL, or a
+         local configuration it starts itself on a local Ray:
+             colocated[:ROUTING]      one engine per replica doing both phases
+             <P>p<D>d[:ROUTING]       P prefill and D decode replicas, e.g. 1p1d, 2p1d:round_robin
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import statistics
+from contextlib import contextmanager
+from pathlib import Path
+
+from cluster.bench.plots import plot_attainment, plot_compare
+from cluster.bench.serve_bench import meets, print_summary, run_once
+
+COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+
+
+def attainment(result: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> float:
+    good = 0
+    for ttft, e2el, out in zip(result["ttfts"], result["e2els"], result["output_lens"]):
+        tpot = (e2el - ttft) / (out - 1) if out > 1 else 0.0
+        good += ttft * 1e3 <= slo_ttft_ms and tpot * 1e3 <= slo_tpot_ms
+    return good / max(1, result["completed"] + result["failed"])
+
+
+def run_sweep(args) -> int:
+    rates = [float(r) for r in args.request_rates.split(",")]
+    points = []
+    for rate in rates:
+        run_args = copy.copy(args)
+        run_args.request_rate = rate
+        result = run_once(run_args)
+        a = attainment(result, args.slo_ttft_ms, args.slo_tpot_ms)
+        points.append({"request_rate": rate, "attainment": a, "completed": result["completed"], "failed": result["failed"],
+                       "median_ttft_ms": result["median_ttft_ms"], "median_tpot_ms": result["median_tpot_ms"],
+                       "output_throughput": result["output_throughput"]})
+        print(f"rate {rate:g} req/s: {a:.1%} of requests within TTFT {args.slo_ttft_ms:g} ms and TPOT {args.slo_tpot_ms:g} ms")
+    passing = [p["request_rate"] for p in points if p["attainment"] >= args.attainment]
+    best = max(passing) if passing else None
+    print(f"highest rate with >= {args.attainment:.0%} SLO attainment: {best if best is not None else 'none of the rates'}")
+    out_dir = Path(args.result_dir or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "attainment_target": args.attainment,
+               "max_rate_meeting_slo": best, "points": points, "dataset_name": args.dataset_name}
+    (out_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
+    plot = plot_attainment(rates, [p["attainment"] for p in points], args.attainment, out_dir / "sweep-attainment.png",
+                           f"SLO attainment: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
+    print(f"wrote {out_dir / 'sweep.json'} and {plot}")
+    return 0
+
+
+# ---- compare -----------------------------------------------------------------------------
+
+LOCAL = re.compile(r"^(colocated|(\d+)p(\d+)d)(?::(\w+))?$")
+
+
+def parse_target(spec: str):
+    """A URL, or a local configuration (see the module docstring)."""
+    if spec.startswith(("http://", "https://")):
+        return spec
+    m = LOCAL.match(spec)
+    if not m:
+        raise ValueError(f"target {spec!r}: give a URL, 'colocated[:routing]' or '<P>p<D>d[:routing]' (e.g. 1p1d, 2p1d:round_robin)")
+    return spec
+
+
+@contextmanager
+def local_cluster(spec: str, args):
+    """Deploy `spec` on the local Ray (started once) and yield its base URL."""
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
+
+    m = LOCAL.match(spec)
+    colocated = m.group(1) == "colocated"
+    tier = TierConfig(num_cpus=0.5, torch_threads=args.torch_threads)
+    config = ClusterConfig(
+        engine=EngineConfig(model=args.local_model, dtype=args.dtype, served_model_name="bench",
+                            max_model_len=args.max_model_len,
+                            cache=CacheConfig(memory_gib=args.kv_cache_gib),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk)),
+        prefill=tier if colocated else TierConfig(num_replicas=int(m.group(2)), num_cpus=0.5, torch_threads=args.torch_threads),
+        decode=tier if colocated else TierConfig(num_replicas=int(m.group(3)), num_cpus=0.5, torch_threads=args.torch_threads),
+        router=TierConfig(num_cpus=0.1),
+        colocated=colocated,
+        redis_url=args._redis.url,
+        routing=RoutingConfig(policy=m.group(4) or "kv_aware"),
+    )
+    serve.run(build_app(config), name="pdserve", route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{args._http_port}"
+    finally:
+        serve.delete("pdserve")
+
+
+def run_compare(args) -> int:
+    a_spec, b_spec = parse_target(args.target_a), parse_target(args.target_b)
+    local = [s for s in (a_spec, b_spec) if not s.startswith("http")]
+    if local and not args.local_model:
+        raise ValueError("local targets need --local-model MODEL_DIR")
+    ray_started = False
+    if local:
+        import ray
+        from ray import serve
+
+        from cluster.redis_server import PrivateRedis, free_port
+
+        ray.init(num_cpus=max(4, __import__("os").cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+        ray_started = True
+        args._http_port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": args._http_port})
+        args._redis = PrivateRedis()
+    runs: dict[str, list[dict]] = {"A": [], "B": []}
+    try:
+        for round_ in range(args.rounds):
+            for label, spec in (("A", a_spec), ("B", b_spec)):
+                print(f"round {round_ + 1}/{args.rounds}: {label} = {spec}")
+                with (local_cluster(spec, args) if not spec.startswith("http") else _url(spec)) as url:
+                    run_args = copy.copy(args)
+                    run_args.base_url = url
+                    run_args.model = None if not spec.startswith("http") else args.model
+                    if not spec.startswith("http"):
+                        run_args.tokenizer = args.local_model
+                    runs[label].append(run_once(run_args))
+    finally:
+        if ray_started:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+            args._redis.stop()
+    medians = {k: (statistics.median(r[k] for r in runs["A"]), statistics.median(r[k] for r in runs["B"])) for k in COMPARED}
+    print(f"{'metric (median of rounds)':<28}{'A: ' + args.target_a:>22}{'B: ' + args.target_b:>22}{'B/A':>8}")
+    for k, (a, b) in medians.items():
+        print(f"{k:<28}{a:>22.2f}{b:>22.2f}{(b / a if a else float('nan')):>8.2f}")
+    for label in ("A", "B"):
+        server = runs[label][-1].get("server_metrics")
+        if server:
+            print(f"{label} server metrics (last round): " + ", ".join(f"{k}={v:.3g}" for k, v in server.items()))
+    out_dir = Path(args.result_dir or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"A": args.target_a, "B": args.target_b, "rounds": args.rounds, "medians": medians,
+               "ratios_b_over_a": {k: (b / a if a else None) for k, (a, b) in medians.items()},
+               "runs": {label: [{k: r[k] for k in (*COMPARED, "completed", "failed", "server_metrics")} for r in rs]
+                        for label, rs in runs.items()}}
+    (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
+    plot = plot_compare((args.target_a, args.target_b), medians, out_dir / "compare.png")
+    print(f"wrote {out_dir / 'compare.json'} and {plot}")
+    return 0
+
+
+@contextmanager
+def _url(url: str):
+    yield url
+
+
+def add_sweep_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--request-rates", required=True, help="comma-separated, e.g. 0.5,1,2,4")
+    p.add_argument("--slo-ttft-ms", type=float, required=True)
+    p.add_argument("--slo-tpot-ms", type=float, required=True)
+    p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests that must meet both SLOs")
+
+
+def add_compare_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-a", required=True, help="URL, 'colocated[:routing]' or '<P>p<D>d[:routing]'")
+    p.add_argument("--target-b", required=True)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
+    p.add_argument("--local-model", help="model directory for local targets")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of local engines")
+    p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")

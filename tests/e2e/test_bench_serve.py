@@ -1,0 +1,70 @@
+"""`pdserve bench serve` against a live local cluster: a self-consistent result JSON
+with vllm's keys, plots written, arrivals at the requested rate, every dataset, and
+failures counted by kind."""
+
+import json
+
+import pytest
+
+from cluster.cli import build_parser
+from tests.e2e.conftest import API_KEY, MODEL_NAME
+
+
+def bench(live, engine_config, tmp_path, *extra):
+    args = build_parser().parse_args([
+        "bench", "serve", "--base-url", live.http_url, "--model", MODEL_NAME, "--tokenizer", engine_config.model,
+        "--api-key", API_KEY, "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+        "--disable-tqdm", "--seed", "3", *extra,
+    ])
+    code = args.fn(args)
+    return code, json.loads((tmp_path / "r.json").read_text())
+
+
+def test_random_workload_result_is_self_consistent_with_plots(live, engine_config, tmp_path):
+    code, r = bench(live, engine_config, tmp_path, "--dataset-name", "random", "--num-prompts", "12", "--random-input-len",
+                    "24", "--random-output-len", "6", "--random-range-ratio", "0.5", "--request-rate", "8",
+                    "--ignore-eos", "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                    "--metric-percentiles", "50,99", "--goodput", "ttft:60000", "--metadata", "run=ci")
+    assert code == 0
+    assert r["completed"] + r["failed"] == r["num_prompts"] == 12 and r["failed"] == 0
+    assert all(t <= e for t, e in zip(r["ttfts"], r["e2els"]))
+    assert r["total_output_tokens"] == sum(r["output_lens"]) and all(3 <= n <= 9 for n in r["output_lens"])  # ignore_eos
+    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput", "request_goodput",
+                "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms", "p99_e2el_ms"):
+        assert isinstance(r[key], float), key
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 60 s TTFT SLO: everyone meets it
+    assert r["run"] == "ci"
+    # Arrivals follow the schedule: seeded gaps, never early (sleep never returns early).
+    from cluster.bench.serve_bench import arrival_gaps
+
+    schedule = [sum(arrival_gaps(12, 8.0, 1.0, 3)[: i + 1]) for i in range(12)]
+    assert all(a >= s - 1e-3 for a, s in zip(r["arrival_times"], schedule))
+    server = r["server_metrics"]
+    assert server["kv_transfer_bytes"] > 0 and 0 <= server["prefill_prefix_cache_hit_rate"] <= 1
+    for suffix in ("-latency_cdf.png", "-throughput.png"):
+        assert (tmp_path / f"r{suffix}").stat().st_size > 10_000
+
+
+def test_prefix_repetition_on_chat_and_multi_turn(live, engine_config, tmp_path):
+    code, r = bench(live, engine_config, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset-name",
+                    "prefix_repetition", "--num-prompts", "8", "--prefix-repetition-prefix-len", "48",
+                    "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "2",
+                    "--prefix-repetition-output-len", "4", "--max-concurrency", "2", "--ignore-eos")
+    assert code == 0 and r["completed"] == 8 and r["backend"] == "openai-chat"
+    assert r["server_metrics"]["prefill_prefix_cache_hit_rate"] > 0.3  # the prefixes repeat
+    code, r = bench(live, engine_config, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset-name", "multi_turn",
+                    "--num-prompts", "2", "--random-input-len", "12", "--random-output-len", "4", "--ignore-eos")
+    assert code == 0 and r["completed"] == 8  # 2 conversations x 4 turns
+    assert max(r["input_lens"]) > min(r["input_lens"]) + 30  # the 4th turn carries 3 turns and replies more
+    assert r["server_metrics"]["decode_prefix_cache_hit_rate"] > 0  # later turns reuse earlier turns' KV
+
+
+def test_failures_are_counted_by_kind(live, engine_config, tmp_path):
+    args = build_parser().parse_args([
+        "bench", "serve", "--base-url", live.http_url, "--model", MODEL_NAME, "--tokenizer", engine_config.model,
+        "--api-key", "wrong", "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "2",
+        "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bad.json",
+    ])
+    assert args.fn(args) == 1  # nothing completed
+    r = json.loads((tmp_path / "bad.json").read_text())
+    assert r["completed"] == 0 and r["failed"] == 3 and r["failure_breakdown"] == {"http_401": 3}

@@ -1,0 +1,70 @@
+"""`pdserve bench serve`'s counting, on hand-made request results: vllm's key names,
+TPOT = (latency - TTFT) / (output tokens - 1), goodput against SLOs, failures broken
+down; and the arrival process (gamma gaps: mean 1/rate, burstiness sets the spread)."""
+
+import argparse
+
+import numpy as np
+import pytest
+
+from cluster.bench.openai_client import RequestResult
+from cluster.bench.serve_bench import add_serve_flags, arrival_gaps, goodput_slos, summarize, throughput_over_time
+from cluster.bench.sweep_compare import attainment
+
+
+def args(*extra):
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    return p.parse_args(list(extra))
+
+
+def ok(ttft, latency, out, start=0.0, itl=()):
+    return RequestResult(success=True, start=start, ttft=ttft, latency=latency, output_len=out, prompt_len=10,
+                         itl=list(itl), text="x", token_times=[start + ttft + sum(itl[:i]) for i in range(len(itl) + 1)])
+
+
+def test_summary_keys_and_values():
+    results = [
+        ok(0.1, 1.1, 11, itl=[0.1] * 10),  # tpot 100 ms
+        ok(0.3, 2.3, 21, start=0.5, itl=[0.1] * 20),  # tpot 100 ms
+        RequestResult(error="http_503"),
+        RequestResult(error="truncated_stream"),
+        RequestResult(error="http_503"),
+    ]
+    s = summarize(args("--goodput", "ttft:200", "--metric-percentiles", "50,99", "--percentile-metrics", "ttft,tpot,e2el"),
+                  results, duration=4.0)
+    assert (s["completed"], s["failed"], s["num_prompts"]) == (2, 3, 5)
+    assert s["failure_breakdown"] == {"http_503": 2, "truncated_stream": 1}
+    assert s["total_output_tokens"] == 32 and s["output_throughput"] == 8.0 and s["request_throughput"] == 0.5
+    assert s["total_token_throughput"] == (20 + 32) / 4.0
+    assert s["median_ttft_ms"] == pytest.approx(200) and s["mean_tpot_ms"] == pytest.approx(100)
+    assert s["p99_ttft_ms"] == pytest.approx(298, abs=0.1) and s["p50_e2el_ms"] == pytest.approx(1700)
+    assert "p99_itl_ms" not in s and s["mean_itl_ms"] == pytest.approx(100)
+    assert s["request_goodput"] == 1 / 4.0  # only the first meets TTFT <= 200 ms
+    assert all(t <= e for t, e in zip(s["ttfts"], s["e2els"]))
+    assert s["max_concurrent_requests"] == 2
+
+
+def test_goodput_flag_is_checked():
+    assert goodput_slos(["ttft:100", "e2el:2000"]) == {"ttft": 100.0, "e2el": 2000.0}
+    with pytest.raises(ValueError):
+        goodput_slos(["itl:5"])
+
+
+def test_attainment_counts_failures_as_misses():
+    result = {"ttfts": [0.1, 0.1, 0.5], "e2els": [1.1, 5.1, 1.5], "output_lens": [11, 11, 11], "completed": 3, "failed": 1}
+    assert attainment(result, slo_ttft_ms=200, slo_tpot_ms=150) == 1 / 4
+
+
+def test_throughput_over_time_spreads_tokens_over_deltas():
+    r = ok(0.5, 2.0, 6, itl=[0.6, 0.6])  # 3 deltas of 2 tokens at 0.5, 1.1, 1.7 s
+    assert throughput_over_time([r], 0.0) == [2.0, 4.0]
+
+
+@pytest.mark.parametrize("burstiness, cv", [(1.0, 1.0), (4.0, 0.5), (0.25, 2.0)])
+def test_arrivals_have_the_requested_rate_and_spread(burstiness, cv):
+    gaps = np.array(arrival_gaps(20_000, rate=5.0, burstiness=burstiness, seed=1))
+    assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08)  # gamma: CV = 1 / sqrt(shape)
+    assert arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    assert arrival_gaps(5, 2.0, burstiness, 7) == arrival_gaps(5, 2.0, burstiness, 7)  # seeded
