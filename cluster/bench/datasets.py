@@ -43,8 +43,18 @@ class Conversation:
 
 
 def _random_text(rng: random.Random, tokenizer: Tokenizer, n: int) -> str:
+    """Text of (nearly always exactly) n tokens: random ids, decoded; re-encoding text
+    rarely gives the same ids back, so it is re-encoded, cut or topped up, and decoded
+    again until the count holds (as vLLM's random dataset does)."""
     ids = [rng.randrange(10, tokenizer.vocab_size) for _ in range(n)]
-    return tokenizer.decode(ids)
+    text = tokenizer.decode(ids)
+    for _ in range(10):
+        again = tokenizer.encode(text, add_special_tokens=False)
+        if len(again) == n:
+            break
+        ids = again[:n] + [rng.randrange(10, tokenizer.vocab_size) for _ in range(n - len(again))]
+        text = tokenizer.decode(ids)
+    return text
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, count: int) -> list[int]:

@@ -1,18 +1,21 @@
 """One streamed OpenAI request, timed the way `vllm bench serve` times it.
 
-TTFT is the time to the first non-empty content delta; ITL the gaps between later
-content deltas; a request succeeds only if its stream ends with a finish reason and
-`data: [DONE]`. Failures are classified: `http_<status>`, `truncated_stream`, `timeout`,
-`connection`.
+TTFT is the time to the first non-empty content delta (a chat stream's role-only first
+chunk does not count); ITL the gaps between the streamed chunks after it. A request
+succeeds only if its stream ends with a finish reason and `data: [DONE]`. An output with
+no visible text at all (only special or undecodable tokens) still succeeds; its TTFT is
+then its first chunk's, as vLLM counts, and it is flagged `empty_output`. Failures are
+classified: `http_<status>`, `truncated_stream`, `stream_error`, `timeout`, `connection`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 
 @dataclass
@@ -27,11 +30,12 @@ class RequestResult:
     prompt_len: int = 0
     output_len: int = 0
     text: str = ""
-    token_times: list[float] = field(default_factory=list)  # perf_counter of each content delta
+    token_times: list[float] = field(default_factory=list)  # perf_counter of each chunk from TTFT on
+    empty_output: bool = False
 
 
 async def send(
-    client: httpx.AsyncClient, endpoint: str, model: str, prompt: str | list[dict], max_tokens: int, ignore_eos: bool,
+    session: aiohttp.ClientSession, endpoint: str, model: str, prompt: str | list[dict], max_tokens: int, ignore_eos: bool,
     prompt_len: int,
 ) -> RequestResult:
     chat = endpoint.endswith("/chat/completions")
@@ -49,13 +53,15 @@ async def send(
         body["prompt"] = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
     result = RequestResult(prompt_len=prompt_len, start=time.perf_counter())
     finished = done = False
-    last = result.start
+    chunk_times: list[float] = []  # every chunk carrying a choice
+    first_content: int | None = None  # index into chunk_times of the first non-empty content
     try:
-        async with client.stream("POST", endpoint, json=body) as response:
-            if response.status_code != 200:
-                result.error, result.detail = f"http_{response.status_code}", (await response.aread()).decode()[:300]
+        async with session.post(endpoint, json=body) as response:
+            if response.status != 200:
+                result.error, result.detail = f"http_{response.status}", (await response.text())[:300]
                 return result
-            async for line in response.aiter_lines():
+            async for raw in response.content:  # one SSE line at a time
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -68,29 +74,33 @@ async def send(
                     return result
                 for choice in chunk.get("choices", []):
                     text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    delta = choice.get("delta") or {}
+                    if chat and not text and delta.get("role") and choice.get("finish_reason") is None:
+                        continue  # the role announcement is not a token
+                    chunk_times.append(time.perf_counter())
                     if text:
-                        now = time.perf_counter()
-                        if not result.text:
-                            result.ttft = now - result.start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        result.token_times.append(now)
+                        if first_content is None:
+                            first_content = len(chunk_times) - 1
                         result.text += text
                     finished = finished or choice.get("finish_reason") is not None
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
-    except httpx.TimeoutException as e:
+    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
         result.error, result.detail = "timeout", type(e).__name__
         return result
-    except httpx.HTTPError as e:
+    except aiohttp.ClientError as e:
         result.error, result.detail = "connection", f"{type(e).__name__}: {e}"
         return result
     result.latency = time.perf_counter() - result.start
-    if not (finished and done) or not result.text:
+    if not (finished and done) or not chunk_times:
         result.error = "truncated_stream"
-        result.detail = f"finish_reason seen: {finished}, [DONE] seen: {done}, content: {bool(result.text)}"
+        result.detail = f"finish_reason seen: {finished}, [DONE] seen: {done}, chunks: {len(chunk_times)}"
         return result
+    result.empty_output = first_content is None
+    times = chunk_times[first_content or 0 :]
+    result.ttft = times[0] - result.start
+    result.itl = [b - a for a, b in zip(times, times[1:])]
+    result.token_times = times
     result.success = True
     return result

@@ -2,7 +2,8 @@
 server, with `vllm bench serve`'s flags, counting and result keys.
 
 Requests arrive at --request-rate (inf: all at once) with gamma-distributed gaps
-(--burstiness 1.0 is Poisson), at most --max-concurrency in flight. Multi-turn
+(--burstiness 1.0 is Poisson) scaled so the last arrives at num_prompts / rate, at most
+--max-concurrency in flight. Multi-turn
 conversations send their turns one after another, each carrying the whole history.
 Against pdserve it also scrapes /metrics before and after: prefix-cache hit rate per
 tier, what the router predicted, and the KV bytes moved.
@@ -18,6 +19,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 from tqdm import tqdm
@@ -32,17 +34,20 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 # ---- arrivals and sending --------------------------------------------------------------
 
 
-def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Seconds between successive arrivals: gamma(shape=burstiness, mean=1/rate); 0 if rate is inf."""
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """When each request is sent, in seconds from the start: gaps drawn from
+    gamma(shape=burstiness, mean=1/rate), then scaled so the last arrival is at exactly
+    n/rate (as vllm bench serve does: runs with different seeds keep the same mean rate).
+    All zero for an infinite rate."""
     if rate == float("inf"):
         return [0.0] * n
-    rng = np.random.default_rng(seed)
-    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n).tolist()
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    times = np.cumsum(gaps)
+    return (times * (n / rate) / times[-1]).tolist()
 
 
 async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[RequestResult], float, list[float]]:
     """Send the workload; (results, duration, arrival times relative to the start)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     results: list[RequestResult] = []
@@ -51,7 +56,15 @@ async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[Reque
     total = sum(len(c.user_turns) for c in work) if multi_turn else len(work)
     bar = tqdm(total=total, desc="requests", unit="req", disable=args.disable_tqdm)
 
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.request_timeout, limits=limits) as client:
+    # aiohttp, as vllm bench serve uses: on a small machine the client's own CPU time per
+    # streamed chunk is part of what is measured, so it must be as cheap as theirs.
+    session = aiohttp.ClientSession(
+        base_url=args.base_url.rstrip("/"),
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=args.request_timeout),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
+    async with session as client:
 
         async def one(prompt, prompt_len: int, output_len: int) -> RequestResult:
             if gate is None:
@@ -80,9 +93,10 @@ async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[Reque
 
         tasks = []
         start = time.perf_counter()
-        for item, gap in zip(work, arrival_gaps(len(work), args.request_rate, args.burstiness, args.seed)):
-            if gap:
-                await asyncio.sleep(gap)
+        for item, at in zip(work, arrival_times(len(work), args.request_rate, args.burstiness, args.seed)):
+            wait = start + at - time.perf_counter()  # absolute schedule: sleep overshoots do not add up
+            if wait > 0:
+                await asyncio.sleep(wait)
             arrivals.append(time.perf_counter() - start)
             coroutine = conversation(item) if multi_turn else one(item.prompt, item.prompt_len, item.output_len)
             tasks.append(asyncio.create_task(coroutine))
@@ -173,6 +187,7 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
     good = sum(1 for r in ok if meets(r, slo))
     out["request_goodput"] = good / duration if slo else None
     out["failure_breakdown"] = dict(sorted(_count(r.error for r in results if not r.success).items()))
+    out["num_empty_outputs"] = sum(r.empty_output for r in ok)  # succeeded without visible text
     out["errors"] = [f"{r.error}: {r.detail}" for r in results if not r.success][:20]
     out.update(_peaks(ok))
     out["output_throughput_over_time"] = throughput_over_time(ok, min((r.start for r in ok), default=0.0))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cluster.bench.openai_client import RequestResult
-from cluster.bench.serve_bench import add_serve_flags, arrival_gaps, goodput_slos, summarize, throughput_over_time
+from cluster.bench.serve_bench import add_serve_flags, arrival_times, goodput_slos, summarize, throughput_over_time
 from cluster.bench.sweep_compare import attainment
 
 
@@ -63,8 +63,10 @@ def test_throughput_over_time_spreads_tokens_over_deltas():
 
 @pytest.mark.parametrize("burstiness, cv", [(1.0, 1.0), (4.0, 0.5), (0.25, 2.0)])
 def test_arrivals_have_the_requested_rate_and_spread(burstiness, cv):
-    gaps = np.array(arrival_gaps(20_000, rate=5.0, burstiness=burstiness, seed=1))
-    assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+    times = np.array(arrival_times(20_000, rate=5.0, burstiness=burstiness, seed=1))
+    assert times[-1] == pytest.approx(20_000 / 5.0)  # the mean rate, exactly
+    gaps = np.diff(times, prepend=0.0)
+    assert (gaps >= 0).all() and gaps.mean() == pytest.approx(0.2)
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08)  # gamma: CV = 1 / sqrt(shape)
-    assert arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
-    assert arrival_gaps(5, 2.0, burstiness, 7) == arrival_gaps(5, 2.0, burstiness, 7)  # seeded
+    assert arrival_times(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    assert arrival_times(5, 2.0, burstiness, 7) == arrival_times(5, 2.0, burstiness, 7)  # seeded
