@@ -48,6 +48,17 @@ def config_from_args(args):
     )
 
 
+def port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def cpus_requested(config) -> float:
     tiers = [(config.decode, config.decode.num_replicas), (config.router, config.router.num_replicas)]
     if not config.colocated:
@@ -65,6 +76,12 @@ def run_serve(args) -> int:
     from cluster.redis_server import PrivateRedis
 
     config = config_from_args(args)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:  # a local cluster: its proxies bind these ports here
+        for what, port in (("HTTP", config.http_port), ("gRPC", config.grpc_port)):
+            if port and not port_free(args.host, port):
+                # Serve's proxies bind with SO_REUSEPORT: a second server would silently share it.
+                raise ValueError(f"{what} port {port} is in use (another pdserve serve?); pass --{what.lower()}-port")
     redis = None
     if config.redis_url is None:
         redis = PrivateRedis()
@@ -72,8 +89,10 @@ def run_serve(args) -> int:
         print(f"started a private redis-server at {redis.url}", file=sys.stderr)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Ctrl-C raises KeyboardInterrupt even when started in the background from a script
+    # (which would otherwise inherit SIGINT as ignored and never stop on it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        address = args.address or os.environ.get("RAY_ADDRESS")
         # A local Ray gets enough logical CPUs for every replica's reservation; the real
         # use of the cores is bounded by each replica's torch threads.
         local_cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_requested(config)))

@@ -66,12 +66,16 @@ class DecodeWorker:
         self._closed = False
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        first = True
         try:
             async for out in self._generate(req):
+                if first and self.index is not None:
+                    self.index.nudge()  # the prompt's blocks are cached now: let the index know soon
+                first = False
                 yield out
         finally:
             if self.index is not None:
-                self.index.nudge()  # its blocks are cached now (or freed): let the index know soon
+                self.index.nudge()  # its output's blocks too (or all freed)
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.colocated:

@@ -47,6 +47,8 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path):
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
+        # As `pdserve serve &` from a script: SIGINT arrives ignored; Ctrl-C must still stop it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         lines = read_until(proc, r"Ctrl-C stops it", timeout_s=240)
@@ -82,3 +84,12 @@ def test_serve_refuses_an_empty_api_key_file(tmp_path):
     empty.write_text("# no keys yet\n")
     result = subprocess.run([*PDSERVE, "serve", "--api-key-file", str(empty)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "holds no keys" in result.stderr
+
+
+def test_serve_refuses_a_port_in_use():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([*PDSERVE, "serve", "--http-port", str(port)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and f"HTTP port {port} is in use" in result.stderr
