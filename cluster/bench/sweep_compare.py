@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cluster.bench.plots import plot_attainment, plot_compare
-from cluster.bench.serve_bench import meets, print_summary, run_once
+from cluster.bench.serve_bench import run_once
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 

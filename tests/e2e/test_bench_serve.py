@@ -69,3 +69,31 @@ def test_failures_are_counted_by_kind(live, engine_config, tmp_path):
     assert args.fn(args) == 1  # nothing completed
     r = json.loads((tmp_path / "bad.json").read_text())
     assert r["completed"] == 0 and r["failed"] == 3 and r["failure_breakdown"] == {"http_401": 3}
+
+
+def test_sweep_reports_attainment_per_rate_with_a_plot(live, engine_config, tmp_path):
+    args = build_parser().parse_args([
+        "bench", "sweep", "--base-url", live.http_url, "--model", MODEL_NAME, "--tokenizer", engine_config.model,
+        "--api-key", API_KEY, "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos",
+        "--request-rates", "2,8", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--disable-tqdm",
+        "--result-dir", str(tmp_path),
+    ])
+    assert args.fn(args) == 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [p["request_rate"] for p in sweep["points"]] == [2.0, 8.0]
+    assert all(p["attainment"] == 1.0 for p in sweep["points"])  # SLOs of a minute: all meet them
+    assert sweep["max_rate_meeting_slo"] == 8.0
+    assert (tmp_path / "sweep-attainment.png").stat().st_size > 10_000
+
+
+def test_compare_two_urls_reports_ratios(live, engine_config, tmp_path):
+    args = build_parser().parse_args([
+        "bench", "compare", "--target-a", live.http_url, "--target-b", live.http_url, "--rounds", "1",
+        "--model", MODEL_NAME, "--tokenizer", engine_config.model, "--api-key", API_KEY, "--num-prompts", "4",
+        "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos", "--disable-tqdm", "--result-dir", str(tmp_path),
+    ])
+    assert args.fn(args) == 0
+    compare = json.loads((tmp_path / "compare.json").read_text())
+    assert set(compare["ratios_b_over_a"]) >= {"output_throughput", "median_ttft_ms", "p99_itl_ms"}
+    assert all(r["completed"] == 4 for label in ("A", "B") for r in compare["runs"][label])
+    assert (tmp_path / "compare.png").exists()

@@ -6,7 +6,6 @@ import asyncio
 import re
 
 import httpx
-import pytest
 import redis
 
 from cluster.config import GatewayConfig, TransportConfig
