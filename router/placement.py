@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig, RoutingConfig
 from cluster.kv.hashing import BlockHash, hash_prefix_blocks
+from cluster.kv.kv_cache_manager import num_reusable_blocks
 from cluster.kv.prefix_index import PrefixIndex, WorkerView
 from cluster.routing import RouteHint, replica_of
 from router.replica_router import rendezvous_order
@@ -66,7 +67,7 @@ class Placer:
         self._decoding: Counter[str] = Counter()
 
     def block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
-        reusable = (len(prompt_ids) - 1) // self.block_size * self.block_size
+        reusable = num_reusable_blocks(len(prompt_ids), self.block_size) * self.block_size
         return hash_prefix_blocks(prompt_ids[:reusable], self.block_size, self.model_id)
 
     async def place(self, prompt_ids: list[int]) -> Placement:

@@ -16,6 +16,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def num_reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks a prefix-cache hit may cover: at least the last token is computed."""
+    return (num_tokens - 1) // block_size
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, model_id: str):
         self.pool = pool
@@ -46,7 +51,7 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """(block ids, tokens) of the longest cached prefix, leaving >= 1 token to compute."""
         self.update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = num_reusable_blocks(request.num_tokens, self.block_size)
         hit = self.pool.cached_prefix(request.block_hashes[:max_blocks])
         return hit, len(hit) * self.block_size
 
