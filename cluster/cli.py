@@ -4,32 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
-from pathlib import Path
 
 from cluster.config import DTYPES
-
-BUILTIN_ARCH, BUILTIN_SIZE = "llama", "tiny"
-
-
-def pdserve_home() -> Path:
-    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
-
-
-def builtin_model_dir() -> Path:
-    """The built-in tiny model, made (random weights, local tokenizer) on first use."""
-    from cluster.model.random_checkpoint import make_model
-
-    out = pdserve_home() / "models" / f"{BUILTIN_ARCH}-{BUILTIN_SIZE}"
-    if not (out / "config.json").exists():
-        print(f"making the built-in {BUILTIN_SIZE} {BUILTIN_ARCH} model in {out} ...", file=sys.stderr)
-        make_model(BUILTIN_ARCH, BUILTIN_SIZE, out)
-    return out
+from cluster.cpu_features import CpuCapabilityError, apply_isa_limits
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from cluster.model.random_checkpoint import make_model
+    from cluster.testing.random_checkpoint import make_model
 
     out = make_model(args.arch, args.size, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
     print(out)
@@ -40,6 +23,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from cluster.config import CacheConfig, EngineConfig
     from cluster.engine.engine import Engine
     from cluster.engine.sampling_params import SamplingParams
+    from cluster.model.builtin import model_or_builtin
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -51,15 +35,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop or ()),
     )
+    model, served_name = model_or_builtin(args.model, None)
     config = EngineConfig(
-        model=args.model or str(builtin_model_dir()),
+        model=model,
+        served_model_name=served_name,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         cache=CacheConfig(memory_gib=args.kv_cache_gib),
     )
     engine = Engine(config)
-    done = engine.generate([args.prompt], params)[0]
+    prompt = args.prompt if args.chat is None else engine.tokenizer.encode_chat([{"role": "user", "content": args.chat}])
+    done = engine.generate([prompt], params)[0]
     if args.json:
         print(
             json.dumps(
@@ -132,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     mm.set_defaults(fn=_cmd_make_model)
 
     g = sub.add_parser("generate", help="generate from one prompt in this process (no Ray)")
-    g.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny model)")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    text = g.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="raw text to continue")
+    text.add_argument("--chat", help="a user message, rendered with the model's chat template")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -192,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.set_defaults(fn=_cmd_bench_compare)
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
-    s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny model)")
+    s.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     s.add_argument("--prefill-replicas", type=int, default=1)
     s.add_argument("--decode-replicas", type=int, default=1)
     s.add_argument("--colocated", action="store_true", help="one engine per replica doing both phases")
@@ -206,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     s.add_argument("--routing", choices=["kv_aware", "prefix_hash", "round_robin", "power_of_two"], default="kv_aware",
                    help="how the gateway places requests on workers (kv_aware: the Redis prefix index)")
-    s.add_argument("--served-model-name", help="the model id clients send (default: the model directory)")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the model's directory or file name; "
+                   "smollm2-135m-instruct for the built-in model)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: every interface)")
     s.add_argument("--api-key", action="append", help="require this API key (repeatable; also $PDSERVE_API_KEY)")
     s.add_argument("--api-key-file", help="file of API keys, one per line")
@@ -224,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # pdserve's own notices (e.g. which dtype `auto` chose, and why) on stderr.
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("cluster").setLevel(logging.INFO)
+    try:
+        apply_isa_limits()  # before anything imports torch (PDSERVE_CPU_DISABLE)
+    except CpuCapabilityError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
     from cluster.engine.sampling_params import InvalidRequestError
     from cluster.model.families import UnsupportedModelError
     from cluster.model.loader import ModelLoadError

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+GGUF_SUFFIX = ".gguf"
+
+
+def default_served_name(model: str) -> str:
+    """The model id clients send when none is configured: the model directory's or the
+    GGUF file's name, never a filesystem path."""
+    path = Path(model)
+    return path.stem if path.suffix == GGUF_SUFFIX else path.name
 
 
 @dataclass(frozen=True)
@@ -37,9 +46,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # a Hugging Face model directory
+    model: str  # a Hugging Face model directory or a .gguf file
     dtype: str = "auto"
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # default: default_served_name(model)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
@@ -55,7 +64,8 @@ class EngineConfig:
 
     @property
     def model_id(self) -> str:
-        return self.served_model_name or self.model
+        """The served model name; also salts every KV block hash of this model."""
+        return self.served_model_name or default_served_name(self.model)
 
 
 FAILURE_POLICIES = ("fail", "recompute")

@@ -14,16 +14,17 @@ APP_NAME = "pdserve"
 
 
 def config_from_args(args):
-    from cluster.cli import builtin_model_dir
     from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, RoutingConfig, TierConfig
+    from cluster.model.builtin import model_or_builtin
     from router.auth import load_api_keys
 
     if args.api_key_file:
         load_api_keys(None, args.api_key_file, env={})  # fail now (exit 2) if it is missing or empty
+    model, served_name = model_or_builtin(args.model, args.served_model_name)
     engine = EngineConfig(
-        model=args.model or str(builtin_model_dir()),
+        model=model,
         dtype=args.dtype,
-        served_model_name=args.served_model_name,
+        served_model_name=served_name,
         max_model_len=args.max_model_len,
         cache=CacheConfig(memory_gib=args.kv_cache_gib),
     )

@@ -166,7 +166,7 @@ class Gateway:
         prefill_handle=None,
     ):
         self.config = config
-        self.model_name = engine_config.served_model_name or engine_config.model
+        self.model_name = engine_config.model_id
         self.metrics = GatewayMetrics(replica=f"gateway-{uuid.uuid4().hex[:8]}")
         self.router = Router(engine_config, decode_handle, prefill_handle, self.metrics, routing, redis_url)
         self.auth = ApiKeyAuth(load_api_keys(config.api_keys, config.api_key_file))

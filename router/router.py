@@ -35,7 +35,7 @@ class Router:
         routing: RoutingConfig = RoutingConfig(),
         redis_url: str | None = None,
     ):
-        self.inputs = InputProcessor.from_model_dir(engine_config.model, engine_config.max_model_len)
+        self.inputs = InputProcessor.from_model(engine_config.model, engine_config.max_model_len)
         self.decode = decode_handle
         self.prefill = prefill_handle
         self.metrics = metrics or GatewayMetrics(replica=uuid.uuid4().hex[:8])

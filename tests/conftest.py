@@ -1,10 +1,15 @@
 """Shared test set-up. TRITON_INTERPRET must be set before triton is first imported,
-so that the Triton kernels can run (interpreted) against CPU tensors."""
+so that the Triton kernels can run (interpreted) against CPU tensors, and the CPU
+capability limits (PDSERVE_CPU_DISABLE, e.g. `avx512` to run the whole suite as on an
+AVX2-only CPU) before torch is."""
 
 import os
 
+from cluster.cpu_features import apply_isa_limits
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+apply_isa_limits()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,7 +42,7 @@ TINY_VARIANTS = {
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Build each tiny variant once per session: {name: model_dir}."""
-    from cluster.model.random_checkpoint import make_model
+    from cluster.testing.random_checkpoint import make_model
 
     root = tmp_path_factory.mktemp("models")
     return {

@@ -26,8 +26,8 @@ from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.kv_cache_manager import KVCacheManager
-from cluster.model.loader import load_model
-from cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from cluster.model.loader import load_model, open_checkpoint
+from cluster.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        checkpoint = open_checkpoint(config.model)
+        self.loaded = load_model(checkpoint, config.dtype, config.device, config.max_model_len)
+        self.tokenizer = checkpoint.tokenizer()
         self.max_model_len = self.loaded.max_model_len
         self.inputs = InputProcessor(self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len)
         self.eos_token_ids = self.loaded.eos_token_ids | (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.model.families import parse_arch
-from cluster.model.loader import read_json, resolve_max_model_len
+from cluster.model.loader import open_checkpoint, resolve_max_model_len
 from cluster.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -21,10 +21,11 @@ class InputProcessor:
         self.max_model_len = max_model_len
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> InputProcessor:
-        """Without loading weights: reads config.json and the tokenizer files only."""
-        arch = parse_arch(read_json(Path(model_dir) / "config.json"))
-        return cls(Tokenizer.from_pretrained(model_dir), arch.vocab_size, resolve_max_model_len(max_model_len, arch))
+    def from_model(cls, model: str | Path, max_model_len: int | None = None) -> InputProcessor:
+        """Without loading weights: reads the checkpoint's config and tokenizer only."""
+        checkpoint = open_checkpoint(model)
+        arch = parse_arch(checkpoint.config())
+        return cls(checkpoint.tokenizer(), arch.vocab_size, resolve_max_model_len(max_model_len, arch))
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -6,12 +6,16 @@ serving; measured with `pdserve bench engine` (2 cores, bf16, 768-wide model):
   2..PACKED_MAX_ROWS rows          oneDNN with a pre-packed weight is ~1.6x faster
   more rows (prefill)              F.linear, which is as fast as the packed path there
 All three produce the same result (fp32 accumulation); the packed copy costs one more
-copy of the weight in memory, so packing is opt-in (`pack_for_cpu`).
+copy of the weight in memory, so packing is opt-in (`pack_for_cpu`). Packing needs native
+bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py): without it oneDNN refuses to pack
+(AVX2) or only emulates bf16, and the unpacked paths are the right ones.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cluster.cpu_features import detect
 
 PACKED_MAX_ROWS = 256
 
@@ -20,8 +24,9 @@ def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
+        and detect().native_bf16
         and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # what torch's own build and ISA cap allow
     )
 
 

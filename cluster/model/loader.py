@@ -1,23 +1,25 @@
-"""Load a Hugging Face model directory: config, generation config, safetensors weights.
+"""Load a model for serving: checkpoint -> CausalLM in the serving dtype.
 
-Reads `config.json`, `generation_config.json` (optional: eos ids) and the weights from
-`model.safetensors` or the shards named in `model.safetensors.index.json`. Every
-parameter must be found in the checkpoint and every checkpoint tensor must be used.
+The checkpoint is a Hugging Face directory or a GGUF file (cluster/model/checkpoint.py).
+Every parameter must be found in it and every tensor it holds must be used. The dtype
+follows from the device and, on CPU, from what the CPU can do (cluster/cpu_features.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
+from cluster.config import GGUF_SUFFIX
+from cluster.cpu_features import detect
+from cluster.model.checkpoint import Checkpoint, HFCheckpoint, ModelLoadError
 from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch
+from cluster.model.gguf_checkpoint import GGUFCheckpoint
 from cluster.model.rotary import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -26,9 +28,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
-class ModelLoadError(RuntimeError):
-    pass
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "open_checkpoint", "resolve_dtype", "resolve_max_model_len"]
 
 
 @dataclass(frozen=True)
@@ -40,19 +40,38 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path.name} not found in {path.parent} (expected a Hugging Face model directory)")
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}")
+def open_checkpoint(model: str | Path) -> Checkpoint:
+    """A Hugging Face model directory, or a `.gguf` file."""
+    path = Path(model).expanduser()
+    if path.suffix == GGUF_SUFFIX:
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+        return GGUFCheckpoint(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model {str(path)!r} is neither a model directory nor a .gguf file")
+    return HFCheckpoint(path)
 
 
-def resolve_dtype(requested: str, arch: ModelArch) -> torch.dtype:
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
+    """The serving dtype. `auto` on CPU: bfloat16 where the CPU computes it natively
+    (AVX-512-BF16 or AMX), else float32 (emulated bf16 is slower than fp32); on GPU the
+    checkpoint's half dtype, else bfloat16."""
+    cpu = detect()
     if requested != "auto":
-        return TORCH_DTYPES[requested]
-    return TORCH_DTYPES.get(str(arch.torch_dtype).removeprefix("torch."), torch.bfloat16)
+        dtype = TORCH_DTYPES[requested]
+        if device == "cpu" and dtype == torch.bfloat16 and not cpu.native_bf16:
+            log.warning(
+                "bfloat16 on a CPU without native bf16 (%s): stored in bf16, computed without oneDNN's "
+                "bf16 kernels; --dtype float32 is faster here", cpu.describe()
+            )
+        return dtype
+    if device == "cpu":
+        dtype = torch.bfloat16 if cpu.native_bf16 else torch.float32
+        why = "native bf16 matmuls" if cpu.native_bf16 else "no native bf16, so float32 is the fastest exact choice"
+        log.info("dtype auto -> %s: this CPU has %s (%s)", str(dtype).removeprefix("torch."), cpu.describe(), why)
+        return dtype
+    named = TORCH_DTYPES.get(str(checkpoint_dtype).removeprefix("torch."))
+    return named if named in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
@@ -67,41 +86,15 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     return n
 
 
-def eos_token_ids(model_dir: Path, config: dict) -> frozenset[int]:
-    gen_path = model_dir / "generation_config.json"
-    gen = read_json(gen_path) if gen_path.exists() else {}
-    eos = gen.get("eos_token_id", config.get("eos_token_id"))
-    if eos is None:
-        return frozenset()
-    return frozenset(eos if isinstance(eos, list) else [eos])
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-        missing = [s for s in shards if not (model_dir / s).exists()]
-        if missing:
-            raise ModelLoadError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise ModelLoadError(
-        f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json "
-        "(only safetensors checkpoints are supported)"
-    )
-
-
-def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None) -> LoadedModel:
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-    config = read_json(model_dir / "config.json")
+def load_model(
+    checkpoint: Checkpoint | str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None
+) -> LoadedModel:
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = open_checkpoint(checkpoint)
+    config = checkpoint.config()
     arch = parse_arch(config)
-    torch_dtype = resolve_dtype(dtype, arch)
+    torch_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
     max_len = resolve_max_model_len(max_model_len, arch)
-    files = weight_files(model_dir)
 
     with torch.device("meta"):
         model = CausalLM(arch, max_positions=max_len)
@@ -110,32 +103,29 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     for module in model.modules():  # the fp32 rotary table is derived, not loaded
         if isinstance(module, RotaryEmbedding):
             module.rebuild()
-    _load_weights(model, files, arch)
+    _load_weights(model, checkpoint, arch)
     model.fuse()
     model.eval().requires_grad_(False)
-    return LoadedModel(model, arch, torch_dtype, max_len, eos_token_ids(model_dir, config))
+    return LoadedModel(model, arch, torch_dtype, max_len, checkpoint.eos_token_ids())
 
 
-def _load_weights(model: CausalLM, files: list[Path], arch: ModelArch) -> None:
+def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    with tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=None) as bar:
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and arch.tie_word_embeddings):
-                        continue
-                    param = params.get(name)
-                    if param is None:
-                        unexpected.append(name)
-                        continue
-                    tensor = f.get_tensor(name)
-                    if tensor.shape != param.shape:
-                        raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-                    loaded.add(name)
-                    bar.update()
+    with tqdm(total=checkpoint.num_tensors(), desc=f"Loading {checkpoint.path.name}", unit="tensor", disable=None) as bar:
+        for name, tensor in checkpoint.tensors():
+            bar.update()
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and arch.tie_word_embeddings):
+                continue
+            param = params.get(name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            if tensor.shape != param.shape:
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing or unexpected:
         raise ModelLoadError(

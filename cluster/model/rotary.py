@@ -1,6 +1,7 @@
 """Rotary position embedding: builds the cos/sin table once, applies it per step.
 
-Supported `rope_type`s: default, linear, llama3 (Llama 3.1's frequency-band scaling).
+Supported `rope_type`s: default, linear, llama3 (Llama 3.1's frequency-band scaling), and
+freq_factors (explicit per-frequency divisors: how GGUF files of Llama 3.1+ carry it).
 The table is fp32 `[max_positions, head_dim]`: cos in the first half, sin in the second.
 """
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from kernels import apply_rotary
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -25,6 +26,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 

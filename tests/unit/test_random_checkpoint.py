@@ -1,4 +1,4 @@
-"""cluster/model/random_checkpoint.py: checkpoints Hugging Face transformers loads as is.
+"""cluster/testing/random_checkpoint.py: checkpoints Hugging Face transformers loads as is.
 
 transformers is a test-only dependency; it is imported here, never by cluster/.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cluster.model.random_checkpoint import (
+from cluster.testing.random_checkpoint import (
     ARCHS,
     count_parameters,
     make_model,

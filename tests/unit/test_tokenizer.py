@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from cluster.model.random_checkpoint import ARCHS, make_model
+from cluster.testing.random_checkpoint import ARCHS, make_model
 from cluster.tokenizer import (
     REPLACEMENT_CHAR,
     ChatTemplateError,

@@ -1,0 +1,108 @@
+"""Where a model comes from: a Hugging Face directory or a GGUF file, read alike.
+
+    Checkpoint (loader.open_checkpoint(path) picks the kind)
+        .config()          Hugging Face config.json fields (a GGUF's are mapped from its metadata)
+        .eos_token_ids()   every token that ends a generation
+        .tokenizer()       the serving Tokenizer
+        .tensors()         (Hugging Face parameter name, tensor), each read once, in file order
+
+Everything above this module (the loader, the engine, the gateway's input processor)
+sees only this interface, so a new format is one new class here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cluster.tokenizer import Tokenizer
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path.name} not found in {path.parent} (expected a Hugging Face model directory)")
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}")
+
+
+class Checkpoint:
+    path: Path
+
+    def config(self) -> dict:
+        raise NotImplementedError
+
+    def eos_token_ids(self) -> frozenset[int]:
+        raise NotImplementedError
+
+    def tokenizer(self) -> Tokenizer:
+        raise NotImplementedError
+
+    def num_tensors(self) -> int:
+        raise NotImplementedError
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class HFCheckpoint(Checkpoint):
+    """`config.json`, `generation_config.json` (optional: eos ids), the tokenizer files, and
+    weights in `model.safetensors` or the shards `model.safetensors.index.json` names."""
+
+    def __init__(self, model_dir: Path):
+        self.path = model_dir
+        self._config = read_json(model_dir / "config.json")
+        self._files = _weight_files(model_dir)
+
+    def config(self) -> dict:
+        return self._config
+
+    def eos_token_ids(self) -> frozenset[int]:
+        gen_path = self.path / "generation_config.json"
+        gen = read_json(gen_path) if gen_path.exists() else {}
+        eos = gen.get("eos_token_id", self._config.get("eos_token_id"))
+        if eos is None:
+            return frozenset()
+        return frozenset(eos if isinstance(eos, list) else [eos])
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_pretrained(self.path)
+
+    def num_tensors(self) -> int:
+        total = 0
+        for path in self._files:
+            with safe_open(path, framework="pt") as f:
+                total += len(f.keys())
+        return total
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in self._files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(read_json(index)["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).exists()]
+        if missing:
+            raise ModelLoadError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ModelLoadError(
+        f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are supported)"
+    )
