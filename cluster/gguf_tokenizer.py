@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import tokenizers
+from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from cluster.config import GGUF_SUFFIX
 from cluster.tokenizer import Tokenizer
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6  # llama.cpp's token types
@@ -88,10 +91,43 @@ class GGUFVocab:
     chat_template: str | None
 
 
+def read_vocab(reader: GGUFReader) -> GGUFVocab:
+    def meta(key: str):
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    return GGUFVocab(
+        model=meta("tokenizer.ggml.model"),
+        pre=meta("tokenizer.ggml.pre"),
+        tokens=meta("tokenizer.ggml.tokens") or [],
+        token_types=meta("tokenizer.ggml.token_type") or [],
+        scores=meta("tokenizer.ggml.scores"),
+        merges=meta("tokenizer.ggml.merges"),
+        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta("tokenizer.ggml.eos_token_id"),
+        unk_token_id=meta("tokenizer.ggml.unknown_token_id"),
+        pad_token_id=meta("tokenizer.ggml.padding_token_id"),
+        add_bos_token=meta("tokenizer.ggml.add_bos_token"),
+        add_space_prefix=meta("tokenizer.ggml.add_space_prefix"),
+        chat_template=meta("tokenizer.chat_template"),
+    )
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory or a .gguf file, without loading
+    weights (or torch): for clients such as the serving benchmark."""
+    path = Path(model)
+    if path.suffix != GGUF_SUFFIX:
+        return Tokenizer.from_pretrained(path)
+    return build_tokenizer(read_vocab(GGUFReader(path)))
+
+
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
-    if vocab.model == "gpt2":
+    if vocab.model == "gpt2" and vocab.tokens:
         backend = _byte_level_bpe(vocab)
         add_bos_default = False
+    elif not vocab.tokens:
+        raise GGUFTokenizerError("no tokenizer in the file (tokenizer.ggml.tokens is missing)")
     elif vocab.model == "llama":
         backend = _sentencepiece_bpe(vocab)
         add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies

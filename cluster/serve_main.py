@@ -101,7 +101,7 @@ def run_serve(args) -> int:
         serve.start(http_options={"host": args.host, "port": config.http_port}, grpc_options=grpc_options(config.grpc_port))
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
-        print(f"pdserve is up: {tiers} replicas of {config.engine.model}.", file=sys.stderr)
+        print(f"pdserve is up: {tiers} replicas serving {config.engine.model_id} ({config.engine.model}).", file=sys.stderr)
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
         print(f"  auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.", file=sys.stderr)
         try:

