@@ -61,7 +61,6 @@ class HFCheckpoint(Checkpoint):
     def __init__(self, model_dir: Path):
         self.path = model_dir
         self._config = read_json(model_dir / "config.json")
-        self._files = _weight_files(model_dir)
 
     def config(self) -> dict:
         return self._config
@@ -79,13 +78,13 @@ class HFCheckpoint(Checkpoint):
 
     def num_tensors(self) -> int:
         total = 0
-        for path in self._files:
+        for path in _weight_files(self.path):
             with safe_open(path, framework="pt") as f:
                 total += len(f.keys())
         return total
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for path in self._files:
+        for path in _weight_files(self.path):
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)

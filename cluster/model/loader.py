@@ -47,6 +47,8 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
         return GGUFCheckpoint(path)
+    if not path.exists():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
     if not path.is_dir():
         raise ModelLoadError(f"model {str(path)!r} is neither a model directory nor a .gguf file")
     return HFCheckpoint(path)
