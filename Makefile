@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test test-unit protos redis-server clean
+.PHONY: setup serve test test-unit lint protos redis-server clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,12 @@ redis-server:
 
 test: setup redis-server
 	$(VENV)/bin/pytest -q -ra --durations=15 tests
+
+# ruff (style, import order, bugbear, imports inside functions) and the import layering
+# of pyproject.toml's [tool.importlinter] contracts.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 test-unit: setup
 	$(VENV)/bin/pytest -q tests/unit

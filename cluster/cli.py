@@ -7,24 +7,30 @@ import json
 import logging
 import sys
 
-from cluster.config import DTYPES
-from cluster.cpu_features import CpuCapabilityError, apply_isa_limits
+from cluster.bench.cluster_bench import run_cluster_bench
+from cluster.bench.engine_bench import run_engine_bench
+from cluster.bench.serve_bench import add_serve_flags, run_serve_bench
+from cluster.bench.sweep_compare import add_compare_flags, add_sweep_flags, run_compare, run_sweep
+from cluster.config import DTYPES, CacheConfig, EngineConfig
+from cluster.cpu_features import CpuCapabilityError, detect
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import InvalidRequestError
+from cluster.model.builtin import model_or_builtin
+from cluster.model.families import UnsupportedModelError
+from cluster.model.loader import ModelLoadError
+from cluster.serve_main import run_serve, run_status
+from cluster.serve_options import add_serve_flags as add_config_flags
+from cluster.testing.random_checkpoint import make_model
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from cluster.testing.random_checkpoint import make_model
-
     out = make_model(args.arch, args.size, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
     print(out)
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from cluster.config import CacheConfig, EngineConfig
-    from cluster.engine.engine import Engine
-    from cluster.engine.sampling_params import SamplingParams
-    from cluster.model.builtin import model_or_builtin
-
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -63,46 +69,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_engine(args: argparse.Namespace) -> int:
-    from cluster.bench.engine_bench import run_engine_bench
-
-    return run_engine_bench(args)
 
 
-def _cmd_bench_cluster(args: argparse.Namespace) -> int:
-    from cluster.bench.cluster_bench import run_cluster_bench
-
-    return run_cluster_bench(args)
 
 
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from cluster.bench.serve_bench import run_serve_bench
 
-    return run_serve_bench(args)
-
-
-def _cmd_bench_sweep(args: argparse.Namespace) -> int:
-    from cluster.bench.sweep_compare import run_sweep
-
-    return run_sweep(args)
-
-
-def _cmd_bench_compare(args: argparse.Namespace) -> int:
-    from cluster.bench.sweep_compare import run_compare
-
-    return run_compare(args)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.serve_main import run_serve
-
-    return run_serve(args)
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    from cluster.serve_main import run_status
-
-    return run_status(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--rounds", type=int, default=3, help="alternating rounds per system; medians reported")
     be.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     be.add_argument("--result-dir", default="bench-results")
-    be.set_defaults(fn=_cmd_bench_engine)
+    be.set_defaults(fn=run_engine_bench)
 
     bc = bsub.add_parser("cluster", help="end-to-end TTFT/TPOT: colocated against 1P1D on a local Ray")
     bc.add_argument("--model", required=True)
@@ -163,52 +134,30 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--torch-threads", type=int, default=1, help="per replica")
     bc.add_argument("--rounds", type=int, default=2)
     bc.add_argument("--result-dir", default="bench-results")
-    bc.set_defaults(fn=_cmd_bench_cluster)
-
-    from cluster.bench.serve_bench import add_serve_flags
-    from cluster.bench.sweep_compare import add_compare_flags, add_sweep_flags
+    bc.set_defaults(fn=run_cluster_bench)
 
     bs = bsub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server (vllm bench serve's flags)")
     add_serve_flags(bs)
-    bs.set_defaults(fn=_cmd_bench_serve)
+    bs.set_defaults(fn=run_serve_bench)
     bw = bsub.add_parser("sweep", help="request-rate sweep: the highest rate meeting TTFT and TPOT SLOs for 90%% of requests")
     add_serve_flags(bw)
     add_sweep_flags(bw)
-    bw.set_defaults(fn=_cmd_bench_sweep)
+    bw.set_defaults(fn=run_sweep)
     bm = bsub.add_parser("compare", help="the same workload against two targets (URLs or local configs), alternately, as ratios")
     add_serve_flags(bm)
     add_compare_flags(bm)
-    bm.set_defaults(fn=_cmd_bench_compare)
+    bm.set_defaults(fn=run_compare)
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
-    s.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
-    s.add_argument("--prefill-replicas", type=int, default=1)
-    s.add_argument("--decode-replicas", type=int, default=1)
-    s.add_argument("--colocated", action="store_true", help="one engine per replica doing both phases")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=9000)
-    s.add_argument("--redis-url", help="default: a private redis-server on a free loopback port")
-    s.add_argument("--dtype", choices=DTYPES, default="auto")
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--kv-cache-gib", type=float, default=1.0)
-    s.add_argument("--torch-threads", type=int, default=1, help="torch threads per worker replica")
-    s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-    s.add_argument("--routing", choices=["kv_aware", "prefix_hash", "round_robin", "power_of_two"], default="kv_aware",
-                   help="how the gateway places requests on workers (kv_aware: the Redis prefix index)")
-    s.add_argument("--served-model-name", help="the model id clients send (default: the model's directory or file name; "
-                   "smollm2-135m-instruct for the built-in model)")
+    add_config_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: every interface)")
+    s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     s.add_argument("--api-key", action="append", help="require this API key (repeatable; also $PDSERVE_API_KEY)")
-    s.add_argument("--api-key-file", help="file of API keys, one per line")
-    s.add_argument("--max-running-requests", type=int, default=256, help="per gateway replica")
-    s.add_argument("--max-queued-requests", type=int, default=256, help="per gateway replica; beyond: 503")
-    s.add_argument("--rate-limit-rps", type=float, default=0.0, help="requests/s per API key, shared via Redis (0: off)")
-    s.add_argument("--rate-limit-burst", type=int, default=0, help="token bucket size (default: the rate)")
-    s.set_defaults(fn=_cmd_serve)
+    s.set_defaults(fn=run_serve)
 
     st = sub.add_parser("status", help="replicas per tier, queue depths and KV usage of a running cluster")
     st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else 'auto')")
-    st.set_defaults(fn=_cmd_status)
+    st.set_defaults(fn=run_status)
     return p
 
 
@@ -218,17 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("cluster").setLevel(logging.INFO)
     try:
-        apply_isa_limits()  # before anything imports torch (PDSERVE_CPU_DISABLE)
-    except CpuCapabilityError as e:
-        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    from cluster.engine.sampling_params import InvalidRequestError
-    from cluster.model.families import UnsupportedModelError
-    from cluster.model.loader import ModelLoadError
-
-    try:
+        detect()  # a bad PDSERVE_CPU_DISABLE is a one-line error too
         return args.fn(args)
-    except (InvalidRequestError, ModelLoadError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
+    except (CpuCapabilityError, InvalidRequestError, ModelLoadError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
 GGUF_SUFFIX = ".gguf"
 
 
@@ -144,10 +147,8 @@ class RoutingConfig:
     running_weight: float = 16.0
 
     def __post_init__(self) -> None:
-        from cluster.routing import POLICIES
-
-        if self.policy not in POLICIES:
-            raise ValueError(f"routing policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {self.policy!r}")
         if self.index_timeout_s <= 0 or self.transfer_weight < 0 or self.running_weight < 0:
             raise ValueError("index_timeout_s must be > 0 and the weights >= 0")
 
@@ -170,9 +171,6 @@ class ClusterConfig:
 def from_dict(cls, data: dict):
     """Build a (nested) config dataclass from plain data, e.g. Serve YAML `args`.
     Unknown keys are an error that names the allowed ones."""
-    import dataclasses
-    import typing
-
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
+from ray import serve
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,6 @@ class RouteHint:
 def replica_unique_id() -> str:
     """Serve's id of the replica running this code (a random one outside Serve)."""
     try:
-        from ray import serve
-
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - not in a Serve replica (tests, scripts)
         return uuid.uuid4().hex[:8]

@@ -2,56 +2,46 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 
+import ray
+from ray import serve
+
+from cluster.app import build_app, grpc_options
+from cluster.config import ClusterConfig, from_dict
+from cluster.model.builtin import model_or_builtin
+from cluster.redis_server import PrivateRedis
+from cluster.serve_options import config_data
+from router.auth import load_api_keys
+
 APP_NAME = "pdserve"
 
 
-def config_from_args(args):
-    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, GatewayConfig, RoutingConfig, TierConfig
-    from cluster.model.builtin import model_or_builtin
-    from router.auth import load_api_keys
-
-    if args.api_key_file:
-        load_api_keys(None, args.api_key_file, env={})  # fail now (exit 2) if it is missing or empty
-    model, served_name = model_or_builtin(args.model, args.served_model_name)
-    engine = EngineConfig(
-        model=model,
-        dtype=args.dtype,
-        served_model_name=served_name,
-        max_model_len=args.max_model_len,
-        cache=CacheConfig(memory_gib=args.kv_cache_gib),
-    )
-    gateway = GatewayConfig(
-        api_keys=load_api_keys(args.api_key),  # and $PDSERVE_API_KEY
-        api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None,
-        max_running_requests=args.max_running_requests,
-        max_queued_requests=args.max_queued_requests,
-        rate_limit_rps=args.rate_limit_rps,
-        rate_limit_burst=args.rate_limit_burst,
-    )
-    return ClusterConfig(
-        engine=engine,
-        prefill=TierConfig(num_replicas=args.prefill_replicas, torch_threads=args.torch_threads),
-        decode=TierConfig(num_replicas=args.decode_replicas, torch_threads=args.torch_threads),
-        colocated=args.colocated,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        redis_url=args.redis_url,
-        gateway=gateway,
-        routing=RoutingConfig(policy=args.routing),
-    )
+def config_from_args(args) -> ClusterConfig:
+    """The ClusterConfig of `pdserve serve`'s flags (cluster/serve_options.py), with the
+    built-in model when none is given and the API keys from flags, file and environment."""
+    data = config_data(args)
+    engine = data.setdefault("engine", {})
+    engine["model"], served_name = model_or_builtin(engine.get("model"), engine.get("served_model_name"))
+    if served_name is not None:
+        engine["served_model_name"] = served_name
+    gateway = data.setdefault("gateway", {})
+    if gateway.get("api_key_file"):
+        load_api_keys(None, gateway["api_key_file"], env={})  # fail now (exit 2) if it is missing or empty
+        gateway["api_key_file"] = str(Path(gateway["api_key_file"]).resolve())
+    gateway["api_keys"] = load_api_keys(args.api_key)  # and $PDSERVE_API_KEY
+    return from_dict(ClusterConfig, data)
 
 
 def port_free(host: str, port: int) -> bool:
-    import socket
-
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -68,14 +58,6 @@ def cpus_requested(config) -> float:
 
 
 def run_serve(args) -> int:
-    import dataclasses
-
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app, grpc_options
-    from cluster.redis_server import PrivateRedis
-
     config = config_from_args(args)
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:  # a local cluster: its proxies bind these ports here
@@ -121,9 +103,6 @@ def run_serve(args) -> int:
 
 
 def run_status(args) -> int:
-    import ray
-    from ray import serve
-
     ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", include_dashboard=False, log_to_driver=False)
     router = serve.get_app_handle(APP_NAME)
     stats = router.worker_stats.remote().result()

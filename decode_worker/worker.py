@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.engine import Engine, RequestOutput
-from cluster.kv.prefix_index import IndexPublisher
-from cluster.kv.transport import KVTransferError, KVTransport
-from cluster.routing import replica_unique_id, worker_id
-from decode_worker.messages import GenerateRequest
-from prefill_worker.messages import PrefillRequest, PrefillResult
+from cluster.engine.engine import RequestOutput
+from cluster.errors import KVCacheFullError, TransferFailedError
+from cluster.kv.transport import KVTransferError
+from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult
+from cluster.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -34,48 +32,28 @@ RESERVE_TIMEOUT_S = 60.0
 RECEIVER_THREADS = 32  # receives wait on peers; a stalled one must not queue the others
 
 
-class KVCacheFullError(RuntimeError):
-    """No room to reserve the prompt's blocks now (the caller may retry elsewhere)."""
+class DecodeWorker(EngineWorker):
+    tier = "decode"
 
-
-class TransferFailedError(RuntimeError):
-    """The KV transfer failed and the policy is `fail`."""
-
-
-class DecodeWorker:
     def __init__(self, engine_config: EngineConfig, transport: TransportConfig, prefill_handle=None, redis_url: str | None = None):
-        """Without a prefill handle the worker is colocated. Arguments are only what the
-        replica runs on: scaling a tier must not change them (Serve would restart it).
-        With a `redis_url` the worker publishes its prefix cache to the index."""
-        self.replica = replica_unique_id()
-        self.worker_id = worker_id("decode", self.replica)
+        """Without a prefill handle the worker is colocated (it moves no KV)."""
         self.colocated = prefill_handle is None
+        super().__init__(engine_config, None if self.colocated else transport, redis_url)
         self.policy = transport.failure_policy
-        self.engine = AsyncEngine(Engine(engine_config))
-        self.index = None
-        if redis_url:
-            self.index = IndexPublisher.for_engine(self.engine, redis_url, "decode", self.replica, engine_config)
-            self.index.start()
         self.prefill = prefill_handle
-        self.transport = None
-        if not self.colocated:
-            self.transport = KVTransport("decode", self.worker_id, engine_config.device, timeout_s=transport.timeout_s)
-        self._kv_caches = self.engine.engine.runner.kv_caches
         self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix="kv-recv")
         self._counts = {"recomputed": 0}  # transfer failures: see the transport's counters
-        self._closed = False
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         first = True
         try:
             async for out in self._generate(req):
-                if first and self.index is not None:
-                    self.index.nudge()  # the prompt's blocks are cached now: let the index know soon
+                if first:
+                    self.publish_soon()  # the prompt's blocks are cached now
                 first = False
                 yield out
         finally:
-            if self.index is not None:
-                self.index.nudge()  # its output's blocks too (or all freed)
+            self.publish_soon()  # its output's blocks too (or all freed)
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.colocated:
@@ -132,7 +110,7 @@ class DecodeWorker:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
         try:
             self.transport.ensure_group(result.prefill_id, self.transport.address, result.session)
-            self.transport.recv_blocks(result.prefill_id, self._kv_caches, block_ids, result.transfer_id)
+            self.transport.recv_blocks(result.prefill_id, self.kv_caches, block_ids, result.transfer_id)
             return True
         except KVTransferError as e:
             if self.policy == "fail":
@@ -141,27 +119,8 @@ class DecodeWorker:
             self._counts["recomputed"] += 1
             return False
 
-    async def stats(self) -> dict:
-        """Queue depths, KV usage and transfer counters; asserts the block invariant."""
-        return {
-            "worker_id": self.worker_id,
-            "tier": "decode",
-            **await self.engine.call(Engine.checked_stats),
-            **self._counts,
-            "transport": self.transport.stats() if self.transport else {},
-            "index": self.index.counts if self.index else {},
-        }
+    def tier_stats(self) -> dict:
+        return dict(self._counts)
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def stop_tier(self) -> None:
         self._receivers.shutdown(wait=False, cancel_futures=True)
-        if self.transport is not None:
-            self.transport.close()
-        self.engine.shutdown()
-
-    async def __del__(self):  # Serve awaits this when the replica stops
-        if self.index is not None:
-            await self.index.close()  # out of the index at once
-        self.shutdown()

@@ -21,54 +21,32 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.engine import Engine
-from cluster.kv.prefix_index import IndexPublisher
-from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
-from cluster.routing import replica_unique_id, worker_id
-from prefill_worker.messages import PrefillRequest, PrefillResult
+from cluster.kv.transport import KVTransferError
+from cluster.messages import PrefillRequest, PrefillResult
+from cluster.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 SENDER_THREADS = 8
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
+    tier = "prefill"
+
     def __init__(self, engine_config: EngineConfig, transport: TransportConfig, redis_url: str | None = None):
-        """Arguments are only what the replica runs on: scaling a tier (num_replicas,
-        autoscaling) must not change them, or Serve would restart the replicas. With a
-        `redis_url` the worker publishes its prefix cache to the index."""
-        self.replica = replica_unique_id()
-        self.worker_id = worker_id("prefill", self.replica)
-        self.engine = AsyncEngine(Engine(engine_config))
-        self.index = None
-        if redis_url:
-            self.index = IndexPublisher.for_engine(self.engine, redis_url, "prefill", self.replica, engine_config)
-            self.index.start()
-        t = transport
-        self.transport = KVTransport(
-            "prefill",
-            self.worker_id,
-            engine_config.device,
-            timeout_s=t.timeout_s,
-            fault_injection=FaultInjection(frozenset(t.fail_transfer_ids), t.fail_every_nth),
-        )
+        super().__init__(engine_config, transport, redis_url)
         self.session = uuid.uuid4().hex[:8]  # new per process: a restarted worker gets fresh groups
         self._transfer_ids = itertools.count()
         # Several senders: a decode worker that stopped receiving stalls only its own
         # transfers (each bounded by the timeout), not everyone else's.
         self._sender = ThreadPoolExecutor(max_workers=SENDER_THREADS, thread_name_prefix="kv-send")
-        self._kv_caches = self.engine.engine.runner.kv_caches
-        self.block_size = engine_config.cache.block_size
-        self._closed = False
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         first = dataclasses.replace(req.params, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=())
         out = None
-        async for out in self.engine.generate(req.prompt_token_ids, first, req.request_id, hold_kv=True):
+        async for out in self.engine.generate(req.prompt_token_ids, first, req.request_id, hold_kv=True):  # noqa: B007 - the last delta
             pass
-        if self.index is not None:
-            self.index.nudge()  # the prompt's blocks are cached now: let the index know soon
+        self.publish_soon()  # the prompt's blocks are cached now
         try:
             blocks = await self.engine.call(lambda e: e.block_table(req.request_id))
         except BaseException:  # cancelled (the decode side gave up): the held blocks return
@@ -90,7 +68,7 @@ class PrefillWorker:
     def _send_then_release(self, req: PrefillRequest, block_ids: list[int], transfer_id: int) -> None:
         try:
             self.transport.ensure_group(req.decode_id, req.decode_address, self.session)
-            self.transport.send_blocks(req.decode_id, self._kv_caches, block_ids, transfer_id)
+            self.transport.send_blocks(req.decode_id, self.kv_caches, block_ids, transfer_id)
         except KVTransferError as e:
             log.warning("KV transfer %d of %s failed: %s", transfer_id, req.request_id, e)
         except Exception:  # nobody awaits this thread: say what broke
@@ -98,25 +76,5 @@ class PrefillWorker:
         finally:
             self.engine.abort(req.request_id)  # releases the held blocks, on the engine thread
 
-    async def stats(self) -> dict:
-        """Queue depths, KV usage, prefix-cache and transfer counters; asserts the block invariant."""
-        return {
-            "worker_id": self.worker_id,
-            "tier": "prefill",
-            **await self.engine.call(Engine.checked_stats),
-            "transport": self.transport.stats(),
-            "index": self.index.counts if self.index else {},
-        }
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def stop_tier(self) -> None:
         self._sender.shutdown(wait=False, cancel_futures=True)
-        self.transport.close()
-        self.engine.shutdown()
-
-    async def __del__(self):  # Serve awaits this when the replica stops
-        if self.index is not None:
-            await self.index.close()  # out of the index at once
-        self.shutdown()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 
 import grpc
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from cluster.engine.sampling_params import InvalidRequestError
+from cluster.errors import WORKER_FAULTS, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +73,8 @@ def from_exception(e: BaseException) -> GatewayError:
     if isinstance(e, GatewayError):
         return e
     if isinstance(e, InvalidRequestError):  # also when raised in a worker (RayTaskError is a subclass)
-        return BadRequest(str(e))
-    from decode_worker.worker import KVCacheFullError, TransferFailedError
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-    if isinstance(e, (KVCacheFullError, TransferFailedError, RayActorError, BackPressureError, DeploymentUnavailableError)):
+        return BadRequest(str(e), param=e.param)
+    if isinstance(e, (*WORKER_FAULTS, RayActorError, BackPressureError, DeploymentUnavailableError)):
         log.warning("request failed in a worker: %s", e)
         return Unavailable("a worker could not serve this request; retry", retry_after_s=1)
     log.error("request failed", exc_info=e)

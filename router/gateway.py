@@ -24,6 +24,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import EngineConfig, GatewayConfig, RoutingConfig
+from cluster.engine.sampling_params import LIMITS, SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from router import protocol as p
 from router.admission import Admission
@@ -132,11 +133,21 @@ async def _gateway_error(request: Request, e: GatewayError):
     return _error_response(e)
 
 
+# Request fields checked against a limit declared under another field's name.
+_LIMIT_OF = {"top_logprobs": "logprobs", "max_completion_tokens": "max_tokens"}
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, e: RequestValidationError):
     first = e.errors()[0] if e.errors() else {}
     where = [str(x) for x in first.get("loc", ()) if x != "body"]
-    message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
+    field = where[-1] if where else None
+    limit = LIMITS.get(_LIMIT_OF.get(field, field))
+    if limit is not None and first.get("type") in _RANGE_ERRORS:
+        message = limit.message(field, first.get("input"))  # the words the engine (and gRPC) use
+    else:
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
     return _error_response(BadRequest(message, param=where[0] if where else None))
 
 
@@ -214,7 +225,6 @@ class Gateway:
     async def ready(self):
         """Readiness: one real token through prefill, KV transfer and decode, in time."""
         prompt = self.router.inputs.tokenizer.encode("ready")
-        from cluster.engine.sampling_params import SamplingParams
 
         async def one_token() -> None:
             async for out in self.router.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):

@@ -11,7 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from cluster.engine.engine import RequestOutput
-from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.errors import AlreadyExists, BadRequest, GatewayError, NotFound, Unavailable, from_exception
 
@@ -49,7 +50,7 @@ def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         )
     except InvalidRequestError as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(str(e), param=e.param) from None
 
 
 def response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them

@@ -18,14 +18,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-from cluster.engine.engine import RequestOutput, TokenLogprob
-from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.engine import RequestOutput
+from cluster.engine.sampler import TokenLogprob
+from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import InvalidRequestError
 from cluster.tokenizer import ChatTemplateError
 from router import protocol as p
 from router.errors import BadRequest, NotFound, Unavailable, from_exception
 from router.router import Router
-
-MAX_STOP_STRINGS = 16
 
 
 @dataclass
@@ -167,8 +167,6 @@ class OpenAIServing:
 
     def _params(self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-        if len(stop) > MAX_STOP_STRINGS:
-            raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else 16,
@@ -187,7 +185,7 @@ class OpenAIServing:
                 logprobs=logprobs,
             )
         except InvalidRequestError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e), param=e.param) from None
 
     def _tokenize(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         try:

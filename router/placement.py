@@ -29,8 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig, RoutingConfig
+from cluster.engine.kv_cache_manager import num_reusable_blocks
 from cluster.kv.hashing import BlockHash, hash_prefix_blocks
-from cluster.kv.kv_cache_manager import num_reusable_blocks
 from cluster.kv.prefix_index import PrefixIndex, WorkerView
 from cluster.routing import RouteHint, replica_of
 from router.replica_router import rendezvous_order

@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.engine.sampling_params import LIMITS, MAX_STOP_STRINGS
+
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 NonEmptyTokens = Annotated[list[TokenId], Field(min_length=1)]
@@ -27,19 +29,19 @@ class _SamplingRequest(_Request):
     """Fields that completions and chat share (OpenAI's names, plus vLLM's extensions)."""
 
     model: str
-    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 disables")
-    min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension")
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2, description="vLLM extension; 1 is off")
+    temperature: float | None = Field(None, **LIMITS["temperature"].bounds(), description="0 is greedy")
+    top_p: float | None = Field(None, **LIMITS["top_p"].bounds())
+    top_k: int | None = Field(None, **LIMITS["top_k"].bounds(), description="vLLM extension; 0 or -1 disables")
+    min_p: float | None = Field(None, **LIMITS["min_p"].bounds(), description="vLLM extension")
+    presence_penalty: float | None = Field(None, **LIMITS["presence_penalty"].bounds())
+    frequency_penalty: float | None = Field(None, **LIMITS["frequency_penalty"].bounds())
+    repetition_penalty: float | None = Field(None, **LIMITS["repetition_penalty"].bounds(), description="vLLM extension; 1 is off")
     seed: Int64 | None = None
-    stop: str | list[str] | None = Field(None, description="up to 16 stop strings")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} stop strings")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension")
     ignore_eos: bool = Field(False, description="vLLM extension")
-    min_tokens: int = Field(0, ge=0, description="vLLM extension")
-    n: int = Field(1, ge=1, le=16, description="choices per prompt")
+    min_tokens: int = Field(0, **LIMITS["min_tokens"].bounds(), description="vLLM extension")
+    n: int = Field(1, **LIMITS["n"].bounds(), description="choices per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
@@ -49,8 +51,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | NonEmptyTokens | list[str] | list[NonEmptyTokens] = Field(
         description="text, token ids, or a list of either (one completion per prompt)"
     )
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
+    max_tokens: int | None = Field(16, **LIMITS["max_tokens"].bounds())
+    logprobs: int | None = Field(None, **LIMITS["logprobs"].bounds(), description="top alternatives per token")
 
 
 class TextPart(_Request):
@@ -66,10 +68,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, **LIMITS["max_tokens"].bounds(), description="deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: int | None = Field(None, **LIMITS["max_tokens"].bounds())
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, **LIMITS["logprobs"].bounds())
 
 
 # ---- responses ------------------------------------------------------------------------

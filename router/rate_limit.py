@@ -16,6 +16,8 @@ import hashlib
 import logging
 import math
 
+import redis.asyncio as aioredis
+
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "pdserve:ratelimit:"
@@ -48,8 +50,6 @@ class RateLimiter:
         self._redis = None
         self._script = None
         if rate_per_s > 0 and redis_url:
-            import redis.asyncio as aioredis
-
             self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
             self._script = self._redis.register_script(TOKEN_BUCKET)
 

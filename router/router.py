@@ -16,11 +16,13 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator
 
+from ray import serve
+
 from cluster.config import EngineConfig, RoutingConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.sampling_params import SamplingParams
-from decode_worker.messages import GenerateRequest
+from cluster.messages import GenerateRequest
 from router.metrics import GatewayMetrics
 from router.placement import Placer
 
@@ -82,8 +84,6 @@ class Router:
         A handle cannot address one replica, so this asks until it has heard from as
         many distinct workers as Serve reports running (bounded number of calls).
         """
-        from ray import serve
-
         app = serve.status().applications[serve.get_replica_context().app_name]
         out: dict[str, dict] = {}
         for tier, name, handle in (("decode", "DecodeWorker", self.decode), ("prefill", "PrefillWorker", self.prefill)):

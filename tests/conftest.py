@@ -5,14 +5,15 @@ AVX2-only CPU) before torch is."""
 
 import os
 
-from cluster.cpu_features import apply_isa_limits
+import cluster  # noqa: F401 - first: applies PDSERVE_CPU_DISABLE before torch is imported
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-apply_isa_limits()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from cluster.testing.random_checkpoint import make_model
 
 # Tests share two cores with whatever else runs; keep torch from oversubscribing.
 torch.set_num_threads(2)
@@ -42,8 +43,6 @@ TINY_VARIANTS = {
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Build each tiny variant once per session: {name: model_dir}."""
-    from cluster.testing.random_checkpoint import make_model
-
     root = tmp_path_factory.mktemp("models")
     return {
         name: make_model(v["arch"], "tiny", root / name, overrides=v.get("overrides"), max_shard_bytes=v.get("max_shard_bytes"))

@@ -16,9 +16,12 @@ import statistics
 import time
 from pathlib import Path
 
+import ray
 import torch
+from ray import serve
 from tqdm import tqdm
 
+from cluster.app import build_app
 from cluster.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig
 from cluster.engine.sampling_params import SamplingParams
 
@@ -57,11 +60,6 @@ def _summary(results: list[dict], wall: float) -> dict:
 
 
 def run_cluster_bench(args) -> int:
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app
-
     engine = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -105,7 +103,8 @@ def run_cluster_bench(args) -> int:
     print(f"\n{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, concurrency {args.concurrency}")
     print(f"{'config':>10} {'TTFT med ms':>12} {'TTFT p99 ms':>12} {'TPOT med ms':>12} {'out tok/s':>10}")
     for name, s in summary.items():
-        print(f"{name:>10} {s['median_ttft_ms']:>12.1f} {s['p99_ttft_ms']:>12.1f} {s['median_tpot_ms']:>12.1f} {s['output_throughput']:>10.1f}")
+        ttft, p99, tpot = s["median_ttft_ms"], s["p99_ttft_ms"], s["median_tpot_ms"]
+        print(f"{name:>10} {ttft:>12.1f} {p99:>12.1f} {tpot:>12.1f} {s['output_throughput']:>10.1f}")
     c, d = summary["colocated"], summary["1P1D"]
     print(f"1P1D / colocated: TTFT {d['median_ttft_ms'] / c['median_ttft_ms']:.2f}x, TPOT {d['median_tpot_ms'] / c['median_tpot_ms']:.2f}x")
     if transfers.get("transfers_ok"):

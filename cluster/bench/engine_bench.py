@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cluster.bench.plots import plot_engine_bench
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
@@ -79,8 +80,8 @@ def bench_pdserve(engine: Engine, prompts: list[list[int]], output_len: int) -> 
 
 
 def load_transformers(model_dir: str, dtype: torch.dtype):
-    try:
-        import transformers
+    try:  # an optional baseline: transformers is a test dependency, not a serving one
+        import transformers  # noqa: PLC0415
     except ImportError:
         print("transformers is not installed: skipping that baseline")
         return None
@@ -184,27 +185,3 @@ def run_engine_bench(args) -> int:
     plot_engine_bench(results, out_dir / f"{stem}.png")
     print(f"wrote {out_dir / stem}.json and .png")
     return 0
-
-
-def plot_engine_bench(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = results["runs"]
-    systems = [s for s in ("pdserve", "transformers") if any(r.get(s) for r in runs)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        xs = [j + i * width for j in range(len(runs))]
-        ax.bar(xs, [r[system]["decode_step_ms_mean"] if r.get(system) else 0 for r in runs], width, label=system)
-    ax.axhline(results["roofline_step_ms"], color="k", linestyle="--", label="bandwidth roofline")
-    ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(runs))])
-    ax.set_xticklabels([f"batch {r['batch_size']}" for r in runs])
-    ax.set_ylabel("ms per decode step (lower is better)")
-    ax.set_title(f"{Path(results['model']).name} {results['dtype']}, {results['threads']} threads")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -10,7 +10,6 @@ classified: `http_<status>`, `truncated_stream`, `stream_error`, `timeout`, `con
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -86,7 +85,7 @@ async def send(
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
-    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
+    except (TimeoutError, aiohttp.ServerTimeoutError) as e:
         result.error, result.detail = "timeout", type(e).__name__
         return result
     except aiohttp.ClientError as e:

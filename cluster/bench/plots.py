@@ -82,3 +82,22 @@ def plot_compare(labels: tuple[str, str], metrics: dict[str, tuple[float, float]
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_engine_bench(results: dict, path: Path) -> None:
+    runs = results["runs"]
+    systems = [s for s in ("pdserve", "transformers") if any(r.get(s) for r in runs)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j in range(len(runs))]
+        ax.bar(xs, [r[system]["decode_step_ms_mean"] if r.get(system) else 0 for r in runs], width, label=system)
+    ax.axhline(results["roofline_step_ms"], color="k", linestyle="--", label="bandwidth roofline")
+    ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(runs))])
+    ax.set_xticklabels([f"batch {r['batch_size']}" for r in runs])
+    ax.set_ylabel("ms per decode step (lower is better)")
+    ax.set_title(f"{Path(results['model']).name} {results['dtype']}, {results['threads']} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from cluster.bench import datasets
 from cluster.bench.openai_client import RequestResult, send
+from cluster.bench.plots import plot_serve_result
 from cluster.gguf_tokenizer import load_tokenizer
 from cluster.model.builtin import BUILTIN_MODEL_NAME, builtin_model_path
 from cluster.tokenizer import Tokenizer
@@ -332,8 +333,6 @@ def result_path(args, result: dict) -> Path:
 
 
 def run_serve_bench(args) -> int:
-    from cluster.bench.plots import plot_serve_result
-
     result = run_once(args)
     print_summary(result)
     if args.save_result:

@@ -16,13 +16,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
+import ray
+from ray import serve
+
+from cluster.app import build_app
 from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
+from cluster.config import CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
+from cluster.redis_server import PrivateRedis, free_port
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -79,11 +86,6 @@ def parse_target(spec: str):
 @contextmanager
 def local_cluster(spec: str, args):
     """Deploy `spec` on the local Ray (started once) and yield its base URL."""
-    from ray import serve
-
-    from cluster.app import build_app
-    from cluster.config import CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
-
     m = LOCAL.match(spec)
     colocated = m.group(1) == "colocated"
     tier = TierConfig(num_cpus=0.5, torch_threads=args.torch_threads)
@@ -113,12 +115,7 @@ def run_compare(args) -> int:
         raise ValueError("local targets need --local-model MODEL_DIR")
     ray_started = False
     if local:
-        import ray
-        from ray import serve
-
-        from cluster.redis_server import PrivateRedis, free_port
-
-        ray.init(num_cpus=max(4, __import__("os").cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
         ray_started = True
         args._http_port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": args._http_port})
@@ -137,9 +134,6 @@ def run_compare(args) -> int:
                     runs[label].append(run_once(run_args))
     finally:
         if ray_started:
-            import ray
-            from ray import serve
-
             serve.shutdown()
             ray.shutdown()
             args._redis.stop()

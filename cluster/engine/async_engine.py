@@ -19,13 +19,10 @@ from typing import TypeVar
 
 from cluster.engine.engine import Engine, Prompt, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import EngineDeadError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -34,7 +31,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     hold_kv: bool
-    sink: "_Sink"
+    sink: _Sink
 
 
 @dataclass(frozen=True)
@@ -121,7 +118,7 @@ class AsyncEngine:
         async for item in self._drain(request_id, sink):
             yield item
 
-    async def _drain(self, request_id: str, sink: "_Sink") -> AsyncIterator[RequestOutput]:
+    async def _drain(self, request_id: str, sink: _Sink) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:

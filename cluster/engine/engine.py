@@ -9,8 +9,8 @@ from a background thread for streaming callers.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,24 +19,18 @@ from tqdm import tqdm
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.input_processor import InputProcessor, Prompt
+from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.runner import ModelRunner, num_kv_blocks
-from cluster.engine.sampler import SampledToken, Sampler, SampleInput
-from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob
+from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
+from cluster.errors import InvalidRequestError
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.kv_cache_manager import KVCacheManager
 from cluster.model.loader import load_model, open_checkpoint
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -186,8 +180,7 @@ class Engine:
         update = self.scheduler.commit_remote(request_id, first_token_id, kv_received)
         if update is None:
             return None
-        sampled = SampledToken(first_token_id, first_logprob.logprob, first_logprob.top) if first_logprob else None
-        return self._process(request_id, update.new_token_ids, update.status, sampled)
+        return self._process(request_id, update.new_token_ids, update.status, first_logprob)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; returns its final (empty) delta."""
@@ -238,7 +231,7 @@ class Engine:
         return torch.Generator(device=self.config.device).manual_seed(seed)
 
     def _process(
-        self, request_id: str, new_ids: list[int], status: RequestStatus, sampled: SampledToken | None
+        self, request_id: str, new_ids: list[int], status: RequestStatus, sampled: TokenLogprob | None
     ) -> RequestOutput:
         state = self._outputs[request_id]
         params = state.request.params
@@ -256,7 +249,7 @@ class Engine:
         state.text, state.emitted = outcome.text, outcome.emitted
         logprobs = None
         if params.logprobs is not None and sampled is not None:
-            logprobs = [TokenLogprob(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
+            logprobs = [sampled]
         if finished:
             del self._outputs[request_id]
         return self._delta(state, new_ids, outcome.delta, logprobs)
@@ -280,31 +273,31 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def load(self) -> dict:
+        """What the router weighs (published to the prefix index with each heartbeat)."""
+        s = self.scheduler
+        return {
+            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            "waiting": len(s.waiting),
+            "running": len(s.running) + len(s.receiving),
+            "kv_usage": round(self.pool.usage, 4),
+        }
+
     def checked_stats(self) -> dict:
         """Queue depths and KV usage, after asserting the block invariant (for workers' stats)."""
         self.check_integrity()
         s = self.scheduler
         return {
+            **self.load(),
             "running": len(s.running),
-            "waiting": len(s.waiting),
             "receiving": len(s.receiving),
             "held": len(s.held),
-            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
             "num_blocks": self.pool.num_blocks,
             "used_blocks": self.pool.num_used_blocks,
             "kv_usage": self.pool.usage,
             "finished": dict(self.finish_counts),
             "prefix_query_tokens": s.prefix_query_tokens,
             "prefix_hit_tokens": s.prefix_hit_tokens,
-        }
-
-    def load(self) -> dict:
-        """What the router weighs (published to the prefix index with each heartbeat)."""
-        s = self.scheduler
-        return {
-            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-            "running": len(s.running) + len(s.receiving),
-            "kv_usage": round(self.pool.usage, 4),
         }
 
     # ---- batch API ---------------------------------------------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import InvalidRequestError
 from cluster.model.families import parse_arch
 from cluster.model.loader import open_checkpoint, resolve_max_model_len
 from cluster.tokenizer import Tokenizer

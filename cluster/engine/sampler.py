@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from cluster.engine.sampling_params import SamplingParams
 
-__all__ = ["SampleInput", "SampledToken", "Sampler", "make_generator"]
+__all__ = ["SampleInput", "TokenLogprob", "Sampler", "make_generator"]
 
 
 @dataclass
@@ -56,12 +56,14 @@ class SampleInput:
 
 
 @dataclass
-class SampledToken:
+class TokenLogprob:
+    """A sampled token, as the sampler returns it and requests report it."""
+
     token_id: int
     logprob: float  # log-softmax of the raw (unprocessed) logits at token_id
     # top-N (token_id, logprob) alternatives from the raw logits, most likely first;
     # N = params.logprobs (empty if None or 0).
-    top_logprobs: list[tuple[int, float]]
+    top: list[tuple[int, float]]
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -170,7 +172,7 @@ class Sampler:
         self.max_rejection_rounds = max_rejection_rounds
 
     # ------------------------------------------------------------------ public
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleInput]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleInput]) -> list[TokenLogprob]:
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(rows)={n}, vocab], got {tuple(logits.shape)}")
@@ -222,7 +224,7 @@ class Sampler:
                 top[i] = list(zip(id_row[:m], v_row[:m]))
 
         return [
-            SampledToken(token_id=t, logprob=lp, top_logprobs=top.get(i, []))
+            TokenLogprob(token_id=t, logprob=lp, top=top.get(i, []))
             for i, (t, lp) in enumerate(zip(tokens.tolist(), chosen_lp.tolist()))
         ]
 

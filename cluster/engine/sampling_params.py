@@ -4,9 +4,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.errors import InvalidRequestError
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses before doing any work on it (maps to HTTP 400)."""
+
+@dataclass(frozen=True)
+class Limit:
+    """A numeric range a request field must lie in. Declared once (LIMITS): the engine
+    checks it, the HTTP schema publishes it, and both APIs refuse with its message."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is refused
+    integer: bool = False
+    note: str = ""
+
+    def contains(self, value) -> bool:
+        if self.integer and (not isinstance(value, int) or isinstance(value, bool)):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def message(self, name: str, value) -> str:
+        kind = "an integer " if self.integer else ""
+        if self.high is None:
+            where = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            where = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        return f"{name} must be {kind}{where}{self.note}, got {value!r}"
+
+    def bounds(self) -> dict:
+        """pydantic Field keywords (ge/gt/le) for the published schema."""
+        out = {"gt" if self.low_open else "ge": self.low} if self.low is not None else {}
+        return out | ({"le": self.high} if self.high is not None else {})
+
+
+LIMITS = {
+    "max_tokens": Limit(1, integer=True),
+    "min_tokens": Limit(0, integer=True),
+    "temperature": Limit(0, 2, note=" (0 is greedy)"),
+    "top_p": Limit(0, 1, low_open=True),
+    "top_k": Limit(-1, integer=True, note=" (0 or -1 disables it)"),
+    "min_p": Limit(0, 1),
+    "repetition_penalty": Limit(0, 2, low_open=True),
+    "presence_penalty": Limit(-2, 2),
+    "frequency_penalty": Limit(-2, 2),
+    "logprobs": Limit(0, 20, integer=True),
+    "n": Limit(1, 16, integer=True),  # choices per prompt (the HTTP API's `n`)
+}
+MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True)
@@ -47,34 +93,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise InvalidRequestError(msg)
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        for name, limit in LIMITS.items():
+            value = getattr(self, name, None)
+            if value is not None and not limit.contains(value):
+                raise InvalidRequestError(limit.message(name, value), param=name)
         if self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not 0.0 <= self.temperature <= 100.0:
-            bad(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
         if any(not s for s in self.stop):
-            bad("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative")
+            raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")

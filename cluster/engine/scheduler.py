@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
-from cluster.kv.kv_cache_manager import KVCacheManager
 
 
 @dataclass(frozen=True)

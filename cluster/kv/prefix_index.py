@@ -37,6 +37,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import redis.asyncio as aioredis
+
 from cluster.kv.hashing import BlockHash
 from cluster.routing import worker_id
 
@@ -171,8 +173,6 @@ class IndexPublisher:
         """`take_events()`: net changes since the last call; `snapshot()`: every hash
         held now, resetting the changes (both run on the engine's thread, so they are
         consistent with each other); `load()`: queued_tokens, running, kv_usage."""
-        import redis.asyncio as aioredis
-
         self.worker_id = worker_id
         self.generation = generation if generation is not None else time.time_ns()
         self._identity = {"tier": tier, "replica": replica, "generation": self.generation,
@@ -291,8 +291,6 @@ class PrefixIndex:
     """A gateway's side: one round trip answers where a prompt's prefix is cached."""
 
     def __init__(self, redis_url: str, model_id: str, block_size: int, timeout_s: float = 0.05):
-        import redis.asyncio as aioredis
-
         self.model_id = model_id
         self.block_size = block_size
         self.timeout_s = timeout_s

@@ -30,9 +30,9 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelLoadError(f"{path.name} not found in {path.parent} (expected a Hugging Face model directory)")
+        raise ModelLoadError(f"{path.name} not found in {path.parent} (expected a Hugging Face model directory)") from None
     except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}")
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
 
 
 class Checkpoint:

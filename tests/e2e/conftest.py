@@ -66,7 +66,7 @@ def engine_config(tiny_models):
         model=str(tiny_models["qwen2"]),
         served_model_name=MODEL_NAME,
         dtype="float32",
-        max_model_len=256,
+        max_model_len=512,  # room for streams long enough to outlast a cancellation's way to the workers
         cache=CacheConfig(block_size=8, num_blocks=256),
         scheduler=SchedulerConfig(max_num_batched_tokens=32),  # prompts above 32 tokens are chunked
     )

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from cluster.bench.serve_bench import arrival_times
 from cluster.cli import build_parser
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 
@@ -35,7 +36,6 @@ def test_random_workload_result_is_self_consistent_with_plots(live, engine_confi
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 60 s TTFT SLO: everyone meets it
     assert r["run"] == "ci"
     # Arrivals follow the schedule: seeded gaps, never early (sleep never returns early).
-    from cluster.bench.serve_bench import arrival_times
 
     schedule = arrival_times(12, 8.0, 1.0, 3)
     assert schedule[-1] == pytest.approx(12 / 8.0)

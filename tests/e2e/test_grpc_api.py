@@ -5,6 +5,7 @@ the standard health and reflection services answer."""
 import threading
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -18,6 +19,7 @@ from tests.helpers import all_blocks_returned, wait_until
 
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
 PROMPT = "You are a helpful assistant. What is the capital of France?"
+LONG = 480  # tokens: a stream that is still running when its cancellation arrives
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def test_generate_streams_the_offline_engines_tokens(stub, engine_config):
 
 def test_list_models(stub):
     (model,) = stub.ListModels(pb.ListModelsRequest(), metadata=AUTH).models
-    assert model.id == MODEL_NAME and model.max_model_len == 256
+    assert model.id == MODEL_NAME and model.max_model_len == 512
 
 
 @pytest.mark.parametrize(
@@ -96,10 +98,10 @@ def test_health_needs_no_key_and_reflection_lists_the_services(channel):
 
 
 def _first_message_then(stub, request_id: str, started: threading.Event, outcome: dict):
-    call = stub.Generate(pb.GenerateRequest(text="Hi", params=greedy(200), request_id=request_id), metadata=AUTH)
+    call = stub.Generate(pb.GenerateRequest(text="Hi", params=greedy(LONG), request_id=request_id), metadata=AUTH)
     outcome["call"] = call
     try:
-        for i, message in enumerate(call):
+        for i, _ in enumerate(call):
             outcome["received"] = i + 1
             started.set()
     except grpc.RpcError as e:
@@ -118,7 +120,7 @@ def test_abort_and_cancel_end_the_stream_and_free_every_block(live, stub):
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
     stub.Abort(pb.AbortRequest(request_id="client-req-1"), metadata=AUTH)
     reader.join(60)
-    assert outcome["code"] == grpc.StatusCode.CANCELLED and outcome["received"] < 200
+    assert outcome["code"] == grpc.StatusCode.CANCELLED and outcome["received"] < LONG
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=30)
     with pytest.raises(grpc.RpcError) as e:
         stub.Abort(pb.AbortRequest(request_id="client-req-1"), metadata=AUTH)
@@ -126,9 +128,29 @@ def test_abort_and_cancel_end_the_stream_and_free_every_block(live, stub):
 
     # A client that cancels its own call: the request is aborted on every tier too.
     aborted_before = sum(s["finished"].get("abort", 0) for s in live.handle.worker_stats.remote().result()["decode"].values())
-    call = stub.Generate(pb.GenerateRequest(text="Hi", params=greedy(200)), metadata=AUTH)
+    call = stub.Generate(pb.GenerateRequest(text="Hi", params=greedy(LONG)), metadata=AUTH)
     next(call)
     call.cancel()
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=30)
     aborted = sum(s["finished"].get("abort", 0) for s in live.handle.worker_stats.remote().result()["decode"].values())
     assert aborted == aborted_before + 1
+
+
+@pytest.mark.parametrize(
+    "http_field, value, grpc_params",
+    [
+        ("temperature", 3.0, pb.SamplingParameters(temperature=3.0)),
+        ("top_p", 0.0, pb.SamplingParameters(top_p=0.0)),
+        ("logprobs", 30, pb.SamplingParameters(logprobs=30)),
+        ("stop", [f"s{i}" for i in range(17)], pb.SamplingParameters(stop=[f"s{i}" for i in range(17)])),
+    ],
+)
+def test_limits_are_refused_in_the_same_words_on_both_apis(live, auth, stub, http_field, value, grpc_params):
+    r = httpx.post(live.http_url + "/v1/completions", headers=auth, timeout=30,
+                   json={"model": MODEL_NAME, "prompt": "hi", http_field: value})
+    assert r.status_code == 400
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(text="hi", params=grpc_params), metadata=AUTH))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert r.json()["error"]["message"] == e.value.details()
+    assert r.json()["error"]["param"] == http_field

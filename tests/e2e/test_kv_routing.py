@@ -4,7 +4,9 @@ under kv_aware and clearly fewer under round_robin; what the index promised equa
 what the workers found; with Redis killed every request still completes (the fallback
 is counted) and once Redis is back the index recovers with no worker restarted."""
 
+import json
 import random
+from pathlib import Path
 
 import httpx
 import pytest
@@ -58,9 +60,6 @@ def scrape(live) -> str:
 
 @pytest.fixture(scope="module")
 def vocab(engine_config):
-    import json
-    from pathlib import Path
-
     return json.loads((Path(engine_config.model) / "config.json").read_text())["vocab_size"]
 
 

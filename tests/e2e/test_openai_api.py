@@ -213,7 +213,7 @@ def test_client_disconnect_mid_stream_frees_every_block_on_both_tiers(live, auth
     (aborted_before,) = [s["finished"].get("abort", 0) for s in before.values()]
     with httpx.stream(
         "POST", live.http_url + "/v1/completions", headers=auth, timeout=60,
-        json={"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True},
+        json={"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True, "stream": True},
     ) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -222,4 +222,4 @@ def test_client_disconnect_mid_stream_frees_every_block_on_both_tiers(live, auth
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=30)
     after = live.handle.worker_stats.remote().result()["decode"]
     (aborted_after,) = [s["finished"].get("abort", 0) for s in after.values()]
-    assert aborted_after == aborted_before + 1  # aborted, not run to its 200 tokens
+    assert aborted_after == aborted_before + 1  # aborted, not run to its 480 tokens

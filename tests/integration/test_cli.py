@@ -4,6 +4,9 @@ import json
 import subprocess
 import sys
 
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
 
 
@@ -21,9 +24,6 @@ def test_make_model_then_generate_json_matches_engine(tmp_path):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(result) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
     assert len(result["token_ids"]) == 8 and result["finish_reason"] == "length"
-
-    from cluster.engine.engine import Engine
-    from cluster.engine.sampling_params import SamplingParams
 
     engine = Engine.from_pretrained(str(out), dtype="float32")
     done = engine.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]

@@ -7,7 +7,8 @@ import pytest
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
-from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import InvalidRequestError
 from cluster.model.loader import ModelLoadError
 
 

@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 
+import openai
 import pytest
+
+from cluster.redis_server import free_port
 
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
 
@@ -36,8 +39,6 @@ def port_open(port: int) -> bool:
 
 
 def test_serve_status_and_clean_stop(tiny_llama, tmp_path):
-    from cluster.redis_server import free_port
-
     http_port, grpc_port = free_port(), free_port()
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
@@ -53,7 +54,6 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path):
     try:
         lines = read_until(proc, r"Ctrl-C stops it", timeout_s=240)
         # Ready for the openai SDK, with the key from the file.
-        import openai
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="sk-from-file", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]

@@ -159,8 +159,6 @@ def _decode_transfers(addresses, transfers, timeout_s):
 
 def _decode_transfers_concurrently(addresses, transfers, timeout_s):
     """One thread per receive, started in the order given (receives overlap)."""
-    import threading
-
     caches = random_caches(DECODE_SEED)
     with KVTransport("decode", "d0", "cpu", timeout_s=timeout_s) as kv:
         addresses.put(kv.address)
@@ -430,7 +428,7 @@ def test_concurrent_rendezvous_one_group_per_peer_and_no_head_of_line_blocking()
 def test_groups_with_idle_peers_are_torn_down():
     """A replica that went away stops using its group: the next rendezvous with anyone
     closes groups idle for longer than idle_timeout_s."""
-    src, dst = random_caches(PREFILL_SEED), random_caches(DECODE_SEED)
+    dst = random_caches(DECODE_SEED)
     with KVTransport("decode", "d0", "cpu", timeout_s=0.5, idle_timeout_s=1.0) as decode, KVTransport(
         "prefill", "p0", "cpu", timeout_s=0.5, idle_timeout_s=1.0
     ) as prefill:

@@ -2,11 +2,11 @@
 
 import pytest
 
+from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.block_pool import BlockPool, NoFreeBlocksError
 from cluster.kv.hashing import hash_prefix_blocks
-from cluster.kv.kv_cache_manager import KVCacheManager
 
 BS = 4
 

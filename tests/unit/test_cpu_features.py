@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cluster import cpu_features
-from cluster.cpu_features import CpuCapabilityError, CpuFeatures, features_from_flags, isa_limits, parse_disabled
+from cluster.cpu_features import CpuCapabilityError, features_from_flags, isa_limits, parse_disabled
 from cluster.model import linear, loader
 
 AVX2 = {"avx", "avx2", "fma"}

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import yaml
-
 import ray.autoscaler
+import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 with warnings.catch_warnings():  # ray.serve's pydantic models still use v1-style Field(...) extras
@@ -23,6 +22,7 @@ with warnings.catch_warnings():  # ray.serve's pydantic models still use v1-styl
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema, ServeApplicationSchema, ServeDeploySchema
 
+from cluster.app import GRPC_SERVICER_FUNCTIONS
 from cluster.config import ClusterConfig, from_dict
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -175,7 +175,6 @@ def test_serve_yaml_matches_serves_schema(serve):
     assert app.import_path == "cluster.app:app_builder"
     assert schema.http_options.host == "0.0.0.0" and schema.http_options.port == 8000
     assert schema.grpc_options.port == 9000
-    from cluster.app import GRPC_SERVICER_FUNCTIONS
 
     assert schema.grpc_options.grpc_servicer_functions == list(GRPC_SERVICER_FUNCTIONS)
 

@@ -5,16 +5,16 @@ import asyncio
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from cluster.engine.sampling_params import InvalidRequestError
+from cluster.errors import InvalidRequestError, KVCacheFullError
 from cluster.redis_server import PrivateRedis
 from router.admission import Admission
 from router.auth import ApiKeyAuth, load_api_keys
 from router.errors import BadRequest, GatewayError, Overloaded, Unauthorized, Unavailable, from_exception
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rate_limit import RateLimiter
-
 
 # ---- admission ---------------------------------------------------------------------------
 
@@ -125,7 +125,6 @@ def test_unexpected_errors_reveal_nothing():
     assert type(error) is GatewayError and error.status == 500
     assert "0x" not in error.message and "/work" not in error.message
     assert isinstance(from_exception(InvalidRequestError("max_tokens must be >= 1")), BadRequest)
-    from decode_worker.worker import KVCacheFullError
 
     assert isinstance(from_exception(KVCacheFullError("full")), Unavailable)
 
@@ -176,8 +175,6 @@ def test_token_bucket_in_redis_is_per_key_and_refills():
 
 
 def test_rate_limiter_lets_requests_through_when_redis_is_down():
-    from prometheus_client import CollectorRegistry, Counter
-
     errors = Counter("errors", "", registry=CollectorRegistry())
     with PrivateRedis() as redis:
         url = redis.url

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from protos.pdserve.v1 import generation_pb2 as pb
+
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = "protos/pdserve/v1/generation.proto"
 GENERATED = ["generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"]
@@ -22,8 +24,6 @@ def test_stubs_are_current(tmp_path):
 
 
 def test_the_contract_names_its_package_service_and_methods():
-    from protos.pdserve.v1 import generation_pb2 as pb
-
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     assert service.full_name == "pdserve.v1.Generation"
     assert {m.name for m in service.methods} == {"Generate", "Abort", "ListModels"}

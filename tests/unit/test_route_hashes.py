@@ -10,12 +10,13 @@ import sys
 import pytest
 
 from cluster.config import CacheConfig, EngineConfig, RoutingConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.kv_cache_manager import KVCacheManager
 from router.metrics import GatewayMetrics
 from router.placement import Placer
+from router.replica_router import rendezvous_order
 
 CONFIG = EngineConfig(model="/models/some-model", cache=CacheConfig(block_size=8))
 PROMPT = [(i * 7919) % 50_000 for i in range(61)]  # 7 full blocks and 5 tokens
@@ -57,8 +58,6 @@ def test_same_hashes_in_other_processes_and_hash_seeds():
 
 
 def test_rendezvous_moves_only_the_keys_of_a_replica_that_goes():
-    from router.replica_router import rendezvous_order
-
     replicas = ["r1", "r2", "r3", "r4"]
     keys = [i.to_bytes(4, "little") for i in range(400)]
     home = {k: rendezvous_order(k, replicas)[0] for k in keys}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cluster.engine.sampler import SampledToken, SampleInput, Sampler, make_generator
+from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob, _topk_rows, make_generator
 from cluster.engine.sampling_params import SamplingParams as SP
 
 
@@ -15,7 +15,7 @@ def row(params: SP, prompt=(), output=(), gen: torch.Generator | None = None) ->
     return SampleInput(params=params, prompt_token_ids=list(prompt), output_token_ids=list(output), generator=gen)
 
 
-def tokens(out: list[SampledToken]) -> list[int]:
+def tokens(out: list[TokenLogprob]) -> list[int]:
     return [t.token_id for t in out]
 
 
@@ -298,7 +298,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float((((counts[m].double() - expected[m]) ** 2) / expected[m]).sum())
 
 
-def _counts(out: list[SampledToken], vocab: int) -> torch.Tensor:
+def _counts(out: list[TokenLogprob], vocab: int) -> torch.Tensor:
     return torch.bincount(torch.tensor(tokens(out)), minlength=vocab)
 
 
@@ -357,8 +357,6 @@ def test_wide_vocab_distribution_across_chunk_boundaries():
 @pytest.mark.parametrize("vocab", [32000, 4096, 4100, 700])
 @pytest.mark.parametrize("k", [1, 5, 20, 50])
 def test_chunked_topk_is_exact(vocab, k):
-    from cluster.engine.sampler import _topk_rows
-
     g = torch.Generator().manual_seed(vocab + k)
     x = torch.randn(7, vocab, generator=g)
     x[0, :] = 0.0  # all tied
@@ -404,18 +402,18 @@ def test_logprobs_report_raw_distribution():
     for i, (t, p) in enumerate(zip(out, params)):
         assert t.logprob == pytest.approx(ref[i, t.token_id].item(), abs=1e-5)
         want = p.logprobs or 0
-        assert len(t.top_logprobs) == want
+        assert len(t.top) == want
         if want:
             vals, ids = ref[i].topk(want)
-            got_lp = [lp for _, lp in t.top_logprobs]
+            got_lp = [lp for _, lp in t.top]
             assert got_lp == sorted(got_lp, reverse=True)
             assert got_lp == pytest.approx(vals.tolist(), abs=1e-5)
             # ids carry the logprob they are reported with (bf16 logits have ties)
-            for tok, lp in t.top_logprobs:
+            for tok, lp in t.top:
                 assert lp == pytest.approx(ref[i, tok].item(), abs=1e-5)
-            assert all(isinstance(tok, int) for tok, _ in t.top_logprobs)
+            assert all(isinstance(tok, int) for tok, _ in t.top)
     # greedy row without penalties picks the top alternative
-    assert out[0].logprob == pytest.approx(out[0].top_logprobs[0][1], abs=1e-6)
+    assert out[0].logprob == pytest.approx(out[0].top[0][1], abs=1e-6)
 
 
 def test_logprob_reported_without_any_logprobs_request():
@@ -424,7 +422,7 @@ def test_logprob_reported_without_any_logprobs_request():
     out = Sampler()(logits, rows)
     ref = torch.log_softmax(logits, -1)
     for i, t in enumerate(out):
-        assert t.top_logprobs == []
+        assert t.top == []
         assert t.logprob == pytest.approx(ref[i, t.token_id].item(), abs=1e-5)
         assert math.isfinite(t.logprob)
 
@@ -445,7 +443,7 @@ def test_logprob_ignores_penalties_and_temperature():
     for i, t in enumerate(out):
         assert t.token_id == 7
         assert t.logprob == pytest.approx(ref[i, 7].item(), abs=1e-5)
-        assert t.top_logprobs[0] == (7, pytest.approx(ref[i, 7].item(), abs=1e-5))
+        assert t.top[0] == (7, pytest.approx(ref[i, 7].item(), abs=1e-5))
 
 
 def test_banned_tokens_are_never_sampled():

@@ -1,11 +1,11 @@
 """Scheduler without a model: exact chunks, block ids, preemption and stop rules."""
 
 from cluster.config import SchedulerConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.kv_cache_manager import KVCacheManager
 
 BS = 4
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jinja2.exceptions
 import pytest
 
 from cluster.testing.random_checkpoint import ARCHS, make_model
@@ -333,7 +334,6 @@ def test_sandboxed_template(model_dirs, tmp_path):
     cfg = {"chat_template": "{{ messages.append(1) }}{{ raise_exception('nope') }}"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = Tokenizer.from_pretrained(tmp_path)
-    import jinja2.exceptions
 
     with pytest.raises(jinja2.exceptions.SecurityError):
         tok.apply_chat_template([])

@@ -1,13 +1,29 @@
-"""The decode -> prefill boundary: what a decode worker asks, what the prefill answers."""
+"""The messages between tiers: gateway -> decode worker -> prefill worker and back.
+
+    GenerateRequest   router -> decode      the stream back is RequestOutput deltas
+    PrefillRequest    decode -> prefill     compute this prompt, send me these blocks
+    PrefillResult     prefill -> decode     the first token and the transfer to receive
+
+Each carries the RouteHint Serve's request router reads (router/replica_router.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.engine.engine import TokenLogprob
+from cluster.engine.sampler import TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.transport import StoreAddress
 from cluster.routing import RouteHint
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    route: RouteHint = RouteHint()  # which decode replica
+    prefill_route: RouteHint = RouteHint()  # which prefill replica the decode worker should call
 
 
 @dataclass(frozen=True)
@@ -19,7 +35,7 @@ class PrefillRequest:
     decode_address: StoreAddress  # its rendezvous store
     num_cached_tokens: int  # prompt tokens the decode already holds (whole blocks)
     num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
-    route: RouteHint = RouteHint()  # which prefill replica (read by Serve's request router)
+    route: RouteHint = RouteHint()  # which prefill replica
 
 
 @dataclass(frozen=True)

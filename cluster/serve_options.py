@@ -1,0 +1,91 @@
+"""`pdserve serve`'s options, declared once.
+
+Each flag names the ClusterConfig fields it sets. A flag's type, default and validation
+are the field's own (cluster/config.py), and `deploy/serve.yaml`'s `args` are parsed by
+the same `from_dict(ClusterConfig, ...)`, so the command line, the Serve config and the
+defaults cannot disagree: adding an option is one Flag here (or none, for YAML only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from cluster.config import DTYPES, ROUTING_POLICIES, ClusterConfig
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # "--max-running-requests"
+    paths: tuple[str, ...]  # the ClusterConfig fields it sets, dotted: ("gateway.max_running_requests",)
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+SERVE_FLAGS = (
+    Flag("--model", ("engine.model",), "Hugging Face model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)"),
+    Flag("--served-model-name", ("engine.served_model_name",),
+         "the model id clients send (default: the model's directory or file name; smollm2-135m-instruct for the built-in model)"),
+    Flag("--dtype", ("engine.dtype",), "auto: by device and CPU capabilities", DTYPES),
+    Flag("--max-model-len", ("engine.max_model_len",), "prompt + output tokens per request (default: the model's)"),
+    Flag("--kv-cache-gib", ("engine.cache.memory_gib",), "KV cache per replica"),
+    Flag("--prefill-replicas", ("prefill.num_replicas",), "prefill tier replicas"),
+    Flag("--decode-replicas", ("decode.num_replicas",), "decode tier replicas"),
+    Flag("--torch-threads", ("prefill.torch_threads", "decode.torch_threads"), "torch threads per worker replica"),
+    Flag("--colocated", ("colocated",), "one engine per replica doing both phases (no prefill tier)"),
+    Flag("--http-port", ("http_port",), "OpenAI HTTP API port"),
+    Flag("--grpc-port", ("grpc_port",), "gRPC API port"),
+    Flag("--redis-url", ("redis_url",), "prefix index and rate limits (default: a private redis-server on a free port)"),
+    Flag("--routing", ("routing.policy",), "how the gateway places requests on workers (kv_aware: the Redis prefix index)",
+         ROUTING_POLICIES),
+    Flag("--api-key-file", ("gateway.api_key_file",), "file of API keys, one per line"),
+    Flag("--max-running-requests", ("gateway.max_running_requests",), "requests streaming at once, per gateway replica"),
+    Flag("--max-queued-requests", ("gateway.max_queued_requests",), "requests waiting for a slot, per gateway replica; beyond: 503"),
+    Flag("--rate-limit-rps", ("gateway.rate_limit_rps",), "requests/s per API key, shared through Redis (0: off)"),
+    Flag("--rate-limit-burst", ("gateway.rate_limit_burst",), "token bucket size (0: the rate)"),
+)
+
+
+def config_field(path: str, root: type = ClusterConfig) -> tuple[type, object]:
+    """(type, default) of a dotted ClusterConfig field; the type without `| None`."""
+    cls = root
+    *parents, name = path.split(".")
+    for part in parents:
+        cls = typing.get_type_hints(cls)[part]
+    hint = typing.get_type_hints(cls)[name]
+    if isinstance(hint, types.UnionType):
+        hint = next(t for t in hint.__args__ if t is not type(None))
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return hint, field.default
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    for flag in SERVE_FLAGS:
+        kind, default = config_field(flag.paths[0])
+        shown = "" if default in (None, dataclasses.MISSING) else f" (default: {default})"
+        dest = flag.name.removeprefix("--").replace("-", "_")
+        if kind is bool:
+            parser.add_argument(flag.name, dest=dest, action="store_true", default=None, help=flag.help)
+        else:
+            parser.add_argument(flag.name, dest=dest, type=kind, choices=flag.choices, default=None, help=flag.help + shown)
+
+
+def config_data(args: argparse.Namespace) -> dict:
+    """The flags given on the command line, as nested ClusterConfig data (the rest keep
+    their config defaults)."""
+    data: dict = {}
+    for flag in SERVE_FLAGS:
+        value = getattr(args, flag.name.removeprefix("--").replace("-", "_"))
+        if value is None:
+            continue
+        for path in flag.paths:
+            *parents, name = path.split(".")
+            node = data
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[name] = value
+    return data
+
