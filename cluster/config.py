@@ -145,12 +145,18 @@ class RoutingConfig:
     transfer_weight: float = 0.1
     # ... and each request already running on a decode worker this much.
     running_weight: float = 16.0
+    # Load beats affinity (kv_aware, prefix_hash): a worker carrying more than this many
+    # requests (queued + running) over the least-loaded worker of its tier gets no new
+    # request, whatever it caches; the least-loaded one gets it.
+    load_margin: int = 4
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {self.policy!r}")
         if self.index_timeout_s <= 0 or self.transfer_weight < 0 or self.running_weight < 0:
             raise ValueError("index_timeout_s must be > 0 and the weights >= 0")
+        if self.load_margin < 0:
+            raise ValueError("load_margin must be >= 0")
 
 
 @dataclass(frozen=True)

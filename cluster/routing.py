@@ -39,3 +39,26 @@ def worker_id(tier: str, replica: str) -> str:
 
 def replica_of(worker: str) -> str:
     return worker.split("-", 1)[1]
+
+
+# ---- the replicas Serve routes to, as this process's request routers see them ---------
+
+# Deployment name of each worker tier (cluster/app.py names deployments after their class).
+TIER_DEPLOYMENTS = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
+
+# deployment name -> ids of its replicas that Serve routes to now. Written by the request
+# routers (router/replica_router.py) on the router's own thread whenever Serve's replica
+# set changes; read by placement. Each value is replaced whole (a frozenset), never
+# mutated, so readers on other threads see one set or the next, never half of one. It
+# lives here, not beside the request router: Serve pickles that class by value, so its
+# module's globals would be copies in the router.
+_live_replicas: dict[str, frozenset[str]] = {}
+
+
+def set_live_replicas(deployment: str, replicas: frozenset[str]) -> None:
+    _live_replicas[deployment] = replicas
+
+
+def live_replicas(deployment: str) -> frozenset[str] | None:
+    """None until this process's request router for `deployment` has heard from Serve."""
+    return _live_replicas.get(deployment)

@@ -41,6 +41,8 @@ SERVE_FLAGS = (
     Flag("--redis-url", ("redis_url",), "prefix index and rate limits (default: a private redis-server on a free port)"),
     Flag("--routing", ("routing.policy",), "how the gateway places requests on workers (kv_aware: the Redis prefix index)",
          ROUTING_POLICIES),
+    Flag("--load-margin", ("routing.load_margin",), "load beats affinity: a worker carrying this many requests "
+         "over the least-loaded one of its tier gets no new request"),
     Flag("--api-key-file", ("gateway.api_key_file",), "file of API keys, one per line"),
     Flag("--max-running-requests", ("gateway.max_running_requests",), "requests streaming at once, per gateway replica"),
     Flag("--max-queued-requests", ("gateway.max_queued_requests",), "requests waiting for a slot, per gateway replica; beyond: 503"),

@@ -200,6 +200,9 @@ class Gateway:
     async def worker_stats(self) -> dict:
         return await self.router.worker_stats()
 
+    async def live_workers(self) -> dict[str, list[str]]:
+        return self.router.live_workers()
+
     @asynccontextmanager
     async def admitted(self, api_key: str) -> AsyncIterator[None]:
         """Rate limit (per key, shared through Redis), then a running slot of this replica."""

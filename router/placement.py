@@ -2,10 +2,9 @@
 
     kv_aware      look the prompt's block hashes up in the prefix index (one round trip)
                   and pick, per tier, the worker of least cost, in tokens of work:
-                    prefill: uncached prompt tokens + its queued tokens + what this
-                             gateway routed there that has not started decoding yet
+                    prefill: uncached prompt tokens + its queued tokens
                     decode:  transfer_weight x prompt tokens it lacks (the KV to move)
-                             + running_weight x its running requests (+ ours in flight),
+                             + running_weight x its requests,
                              and effectively never a worker whose KV cache is > 95% full
                   The cost is a sum of a prefill and a decode term, so the best pair is
                   the best of each tier. Ties go by rendezvous order of the prefix. When
@@ -17,6 +16,21 @@
     round_robin   each tier in turn
     power_of_two  Ray Serve's default: the shorter queue of two random replicas
 
+Candidates are the replicas Serve routes to now (cluster/routing.py: live_replicas), not
+only those the index lists: a replica that has just started counts at once, with an
+empty cache and no load, and one that Serve is removing takes no new work.
+
+A worker's load is its requests queued and running, and its queued prompt tokens: the
+index's figures (every gateway's work, as of the worker's last publish) or this gateway's
+own count of what it sent there and is not done, whichever is larger, so a burst from
+this gateway counts before the index sees it, without counting it twice.
+
+Load beats affinity (kv_aware and prefix_hash): when the worker that affinity picked
+carries more than `load_margin` requests over the least-loaded worker of its tier, the
+least-loaded one gets the request instead (pdserve_route_load_overrides_total{tier}). A
+hot prefix therefore spreads once its worker is busy, and a replica added under load
+takes new work at once.
+
 The hashes are `cluster/kv/hashing.py`'s, over the blocks the engine could reuse (all
 full blocks but one token, as KVCacheManager.cached_prefix counts them).
 """
@@ -26,13 +40,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig, RoutingConfig
 from cluster.engine.kv_cache_manager import num_reusable_blocks
 from cluster.kv.hashing import BlockHash, hash_prefix_blocks
 from cluster.kv.prefix_index import PrefixIndex, WorkerView
-from cluster.routing import RouteHint, replica_of
+from cluster.routing import TIER_DEPLOYMENTS, RouteHint, live_replicas, worker_id
 from router.replica_router import rendezvous_order
 
 PREFIX_HASH_BLOCKS = 4
@@ -47,109 +62,207 @@ class Placement:
     decode: RouteHint
     prefill: RouteHint
     predicted_hits: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, worker) -> tokens
-    pending_tokens: dict[str, int] = field(default_factory=dict)  # prefill worker -> tokens to prefill
+    prefill_worker: str | None = None  # the worker that computes the prompt (the decode one, colocated)
+    prefill_tokens: int = 0  # tokens it computes
     decode_worker: str | None = None
     fallback: str | None = None  # why kv_aware was not used
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A worker as placement weighs it."""
+
+    worker_id: str
+    replica: str
+    hit_blocks: int  # the prompt's blocks in its prefix cache
+    queued_tokens: int  # prompt tokens waiting to be computed there
+    requests: int  # requests queued and running there
+    kv_usage: float
+
+
+class InFlight:
+    """This gateway's own work on each worker, from placement until done: prompts until
+    their first token (the prefill work), requests until they finish."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens: Counter[str] = Counter()
+        self.prefilling: Counter[str] = Counter()
+        self.decoding: Counter[str] = Counter()
+
+    def requests(self, worker: str, tier: str) -> int:
+        return self.prefilling[worker] if tier == "prefill" else self.decoding[worker]
+
+
 class Placer:
-    def __init__(self, engine: EngineConfig, routing: RoutingConfig, redis_url: str | None, colocated: bool, metrics):
+    def __init__(
+        self,
+        engine: EngineConfig,
+        routing: RoutingConfig,
+        redis_url: str | None,
+        colocated: bool,
+        metrics,
+        live: Callable[[str], frozenset[str] | None] = live_replicas,
+    ):
+        """`live(deployment)`: the replica ids Serve routes to now (None: not known yet)."""
         self.config = routing
         self.block_size = engine.cache.block_size
         self.model_id = engine.model_id
         self.colocated = colocated
         self.metrics = metrics
+        self.live = live
         self.index = None
         if routing.policy == "kv_aware" and redis_url:
             self.index = PrefixIndex(redis_url, self.model_id, self.block_size, timeout_s=routing.index_timeout_s)
-        # This gateway's own work on each worker since the index last saw it.
-        self._pending_prefill_tokens: Counter[str] = Counter()
-        self._decoding: Counter[str] = Counter()
+        self.in_flight = InFlight()
 
     def block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
         reusable = num_reusable_blocks(len(prompt_ids), self.block_size) * self.block_size
         return hash_prefix_blocks(prompt_ids[:reusable], self.block_size, self.model_id)
 
+    def live_workers(self) -> dict[str, list[str]]:
+        """{tier: worker ids Serve routes to now}, as this gateway sees them."""
+        tiers = ("decode",) if self.colocated else ("prefill", "decode")
+        return {tier: sorted(worker_id(tier, r) for r in self.live(TIER_DEPLOYMENTS[tier]) or ()) for tier in tiers}
+
     async def place(self, prompt_ids: list[int]) -> Placement:
+        policy = self.config.policy
+        if policy in ("round_robin", "power_of_two"):
+            hint = RouteHint(policy=policy)
+            return Placement(decode=hint, prefill=hint)
         hashes = self.block_hashes(prompt_ids)
         affinity = _affinity_key(hashes, prompt_ids)
-        policy = self.config.policy
+        views: list[WorkerView] = []
+        reason = None
         if policy == "kv_aware":
-            placement, reason = await self._kv_aware(prompt_ids, hashes, affinity)
-            if placement is not None:
-                return placement
-            self.metrics.route_fallbacks.labels(reason).inc()
-            placement = _sticky(affinity)
-            placement.fallback = reason
-            return placement
-        if policy == "prefix_hash":
-            return _sticky(affinity)
-        hint = RouteHint(policy=policy)
-        return Placement(decode=hint, prefill=hint)
+            views, reason = await self._lookup(hashes)
+            if reason:
+                self.metrics.route_fallbacks.labels(reason).inc()
+        tiers = {"decode": self._candidates("decode", views)}
+        if not self.colocated:
+            tiers["prefill"] = self._candidates("prefill", views)
+        if any(not c for c in tiers.values()):  # Serve's replica set not known here yet
+            hint = RouteHint(affinity_key=affinity)
+            return Placement(decode=hint, prefill=hint, fallback=reason)
+        if policy == "kv_aware" and not reason:
+            return self._kv_aware(len(prompt_ids), len(hashes), affinity, tiers)
+        placement = self._sticky(len(prompt_ids), affinity, tiers)
+        placement.fallback = reason
+        return placement
 
-    async def _kv_aware(self, prompt_ids, hashes, affinity) -> tuple[Placement | None, str]:
+    async def _lookup(self, hashes: list[BlockHash]) -> tuple[list[WorkerView], str | None]:
         if self.index is None:
-            return None, "no_index"
+            return [], "no_index"
         start = time.perf_counter()
         try:
             views = await self.index.lookup(hashes)
         except TimeoutError:
-            return None, "index_timeout"
+            return [], "index_timeout"
         except Exception:  # noqa: BLE001 - Redis down or refusing: degrade, never fail
-            return None, "index_unavailable"
+            return [], "index_unavailable"
         finally:
             self.metrics.index_lookup.observe(time.perf_counter() - start)
-        decodes = [v for v in views if v.tier == "decode"]
-        prefills = [v for v in views if v.tier == "prefill"]
-        if not decodes or (not self.colocated and not prefills):
-            return None, "index_empty"
-        n = len(prompt_ids)
-        order = {w: rank for rank, w in enumerate(rendezvous_order(affinity, [v.worker_id for v in views]))}
+        tiers = {"decode"} if self.colocated else {"prefill", "decode"}
+        if not tiers <= {v.tier for v in views}:
+            return views, "index_empty"
+        return views, None
 
-        def uncached(v: WorkerView) -> int:
-            return n - min(v.hit_blocks, len(hashes)) * self.block_size
+    def _candidates(self, tier: str, views: list[WorkerView]) -> list[Candidate]:
+        """The tier's workers Serve routes to, each with the index's view of it (an empty
+        one for a replica the index does not list yet) and this gateway's own load on it."""
+        indexed = {v.replica: v for v in views if v.tier == tier}
+        live = self.live(TIER_DEPLOYMENTS[tier])
+        replicas = live if live is not None else frozenset(indexed)
+        out = []
+        for replica in sorted(replicas):
+            wid = worker_id(tier, replica)
+            v = indexed.get(replica) or WorkerView(wid, tier, replica, 0, 0, 0, 0.0)
+            pending_tokens = self.in_flight.prefill_tokens[wid]
+            out.append(Candidate(
+                worker_id=wid,
+                replica=replica,
+                hit_blocks=v.hit_blocks,
+                queued_tokens=max(v.queued_tokens, pending_tokens),
+                requests=max(v.requests, self.in_flight.requests(wid, tier)),
+                kv_usage=v.kv_usage,
+            ))
+        return out
 
-        def prefill_cost(v: WorkerView) -> tuple[float, int]:
-            return uncached(v) + v.queued_tokens + self._pending_prefill_tokens[v.worker_id], order[v.worker_id]
+    def _kv_aware(self, n: int, num_hashes: int, affinity: bytes, tiers: dict[str, list[Candidate]]) -> Placement:
+        order = {c.worker_id: rank for rank, c in _by_rendezvous(affinity, [c for cs in tiers.values() for c in cs])}
 
-        def decode_cost(v: WorkerView) -> tuple[float, int]:
-            full = FULL_PENALTY if v.kv_usage > FULL_KV_USAGE else 0.0
-            running = self.config.running_weight * (v.running + self._decoding[v.worker_id])
-            work = prefill_cost(v)[0] if self.colocated else self.config.transfer_weight * uncached(v)
-            return work + running + full, order[v.worker_id]
+        def uncached(c: Candidate) -> int:
+            return n - min(c.hit_blocks, num_hashes) * self.block_size
 
-        d = min(decodes, key=decode_cost)
-        placement = Placement(decode=RouteHint(replica=replica_of(d.worker_id)), prefill=RouteHint(), decode_worker=d.worker_id)
-        placement.predicted_hits[("decode", d.worker_id)] = n - uncached(d)
-        if self.colocated:
-            placement.pending_tokens[d.worker_id] = uncached(d)
-        else:
-            p = min(prefills, key=prefill_cost)
-            placement.prefill = RouteHint(replica=replica_of(p.worker_id))
-            placement.predicted_hits[("prefill", p.worker_id)] = n - uncached(p)
-            placement.pending_tokens[p.worker_id] = uncached(p)
-        return placement, ""
+        def prefill_cost(c: Candidate) -> float:
+            return uncached(c) + c.queued_tokens
+
+        def decode_cost(c: Candidate) -> float:
+            full = FULL_PENALTY if c.kv_usage > FULL_KV_USAGE else 0.0
+            work = prefill_cost(c) if self.colocated else self.config.transfer_weight * uncached(c)
+            return work + self.config.running_weight * c.requests + full
+
+        costs = {"prefill": prefill_cost, "decode": decode_cost}
+        chosen = {
+            tier: self._balance(tier, cs, min(cs, key=lambda c, cost=costs[tier]: (cost(c), order[c.worker_id])), order)
+            for tier, cs in tiers.items()
+        }
+        placement = self._placement(chosen, uncached)
+        for tier, c in chosen.items():
+            placement.predicted_hits[(tier, c.worker_id)] = n - uncached(c)
+        return placement
+
+    def _sticky(self, n: int, affinity: bytes, tiers: dict[str, list[Candidate]]) -> Placement:
+        """prefix_hash: the prefix's rendezvous choice of each tier, unless load beats it."""
+        chosen = {}
+        for tier, cs in tiers.items():
+            order = {c.worker_id: rank for rank, c in _by_rendezvous(affinity, cs)}
+            first = min(cs, key=lambda c, order=order: order[c.worker_id])
+            chosen[tier] = self._balance(tier, cs, first, order)
+        return self._placement(chosen, lambda c: n)
+
+    def _balance(self, tier: str, candidates: list[Candidate], choice: Candidate, order: dict[str, int]) -> Candidate:
+        """Load beats affinity: the least-loaded worker when `choice` is past the margin."""
+        least = min(candidates, key=lambda c: (c.requests, c.queued_tokens, order[c.worker_id]))
+        if choice.requests - least.requests > self.config.load_margin:
+            self.metrics.load_overrides.labels(tier).inc()
+            return least
+        return choice
+
+    def _placement(self, chosen: dict[str, Candidate], prefill_tokens: Callable[[Candidate], int]) -> Placement:
+        decode = chosen["decode"]
+        computes = chosen.get("prefill", decode)  # colocated: the decode worker computes the prompt
+        return Placement(
+            decode=RouteHint(replica=decode.replica),
+            prefill=RouteHint(replica=computes.replica),
+            prefill_worker=computes.worker_id,
+            prefill_tokens=prefill_tokens(computes),
+            decode_worker=decode.worker_id,
+        )
 
     # ---- this gateway's in-flight work, so a burst does not all land on one worker ----
 
     def started(self, placement: Placement) -> None:
         for (tier, worker), tokens in placement.predicted_hits.items():
             self.metrics.predicted_hits.labels(tier, worker).inc(tokens)
-        self._pending_prefill_tokens.update(placement.pending_tokens)
+        if placement.prefill_worker:
+            self.in_flight.prefill_tokens[placement.prefill_worker] += placement.prefill_tokens
+            self.in_flight.prefilling[placement.prefill_worker] += 1
         if placement.decode_worker:
-            self._decoding[placement.decode_worker] += 1
+            self.in_flight.decoding[placement.decode_worker] += 1
 
     def first_token(self, placement: Placement) -> None:
-        self._pending_prefill_tokens.subtract(placement.pending_tokens)
-        placement.pending_tokens = {}
-        _drop_zeros(self._pending_prefill_tokens)
+        if placement.prefill_worker:
+            self.in_flight.prefill_tokens[placement.prefill_worker] -= placement.prefill_tokens
+            self.in_flight.prefilling[placement.prefill_worker] -= 1
+            _drop_zeros(self.in_flight.prefill_tokens, self.in_flight.prefilling)
+            placement.prefill_worker = None
 
     def finished(self, placement: Placement) -> None:
         self.first_token(placement)
         if placement.decode_worker:
-            self._decoding[placement.decode_worker] -= 1
+            self.in_flight.decoding[placement.decode_worker] -= 1
+            _drop_zeros(self.in_flight.decoding)
             placement.decode_worker = None
-            _drop_zeros(self._decoding)
 
 
 def _affinity_key(hashes: list[BlockHash], prompt_ids: list[int]) -> bytes:
@@ -158,11 +271,12 @@ def _affinity_key(hashes: list[BlockHash], prompt_ids: list[int]) -> bytes:
     return hashlib.blake2b(repr(prompt_ids).encode(), digest_size=16).digest()
 
 
-def _sticky(affinity: bytes) -> Placement:
-    hint = RouteHint(affinity_key=affinity)
-    return Placement(decode=hint, prefill=hint)
+def _by_rendezvous(affinity: bytes, candidates: list[Candidate]) -> list[tuple[int, Candidate]]:
+    by_replica = {c.replica: c for c in candidates}
+    return list(enumerate(by_replica[r] for r in rendezvous_order(affinity, list(by_replica))))
 
 
-def _drop_zeros(counter: Counter) -> None:
-    for key in [k for k, v in counter.items() if v <= 0]:
-        del counter[key]
+def _drop_zeros(*counters: Counter) -> None:
+    for counter in counters:
+        for key in [k for k, v in counter.items() if v <= 0]:
+            del counter[key]

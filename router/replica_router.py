@@ -1,5 +1,7 @@
 """Serve's request router for the worker deployments: it places each request where the
-gateway's RouteHint says (cluster/routing.py), among the replicas Serve reports running.
+gateway's RouteHint says (cluster/routing.py), among the replicas Serve reports running,
+and publishes that set of replicas (cluster/routing.py: live_replicas) so that placement
+counts a new replica as soon as Serve routes to it and stops choosing one being removed.
 
     hint.replica       that replica first (the KV-aware choice); the others if it is full or gone
     hint.affinity_key  rendezvous hashing: the replica with the highest H(key, replica id),
@@ -15,9 +17,9 @@ import hashlib
 import itertools
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-from cluster.routing import RouteHint
+from cluster.routing import RouteHint, set_live_replicas
 
 IMPORT_PATH = "router.replica_router:HintedRequestRouter"
 
@@ -29,6 +31,17 @@ def rendezvous_order(key: bytes, replicas: list[str]) -> list[str]:
 
 class HintedRequestRouter(PowerOfTwoChoicesRequestRouter):
     _turns = itertools.count()
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._publish_live_replicas()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)  # drops it without an update_replicas call
+        self._publish_live_replicas()
+
+    def _publish_live_replicas(self) -> None:
+        set_live_replicas(self._deployment_id.name, frozenset(r.unique_id for r in self.curr_replicas))
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -38,8 +38,10 @@ class Router:
         redis_url: str | None = None,
     ):
         self.inputs = InputProcessor.from_model(engine_config.model, engine_config.max_model_len)
-        self.decode = decode_handle
-        self.prefill = prefill_handle
+        # .options() initializes a handle: its request router starts following Serve's
+        # replica set now, so placement knows every replica before the first request.
+        self.decode = decode_handle.options()
+        self.prefill = prefill_handle.options() if prefill_handle is not None else None
         self.metrics = metrics or GatewayMetrics(replica=uuid.uuid4().hex[:8])
         self.placer = Placer(engine_config, routing, redis_url, colocated=prefill_handle is None, metrics=self.metrics)
         self._ids = itertools.count()
@@ -77,6 +79,10 @@ class Router:
                 stream.cancel()  # abandoned or failed: abort on the decode (and prefill) tier
             self.placer.finished(placement)
             timer.finish(status, finish_reason)
+
+    def live_workers(self) -> dict[str, list[str]]:
+        """{tier: worker ids} of the replicas Serve routes to now, as placement sees them."""
+        return self.placer.live_workers()
 
     async def worker_stats(self) -> dict:
         """{tier: {worker_id: stats}} for every running replica of each tier.

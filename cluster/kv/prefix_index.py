@@ -4,7 +4,7 @@ Workers (both tiers) publish their prefix caches; gateways look prompts up in it
 
     pdserve:kv:workers                      SET   ids of workers that announced themselves
     pdserve:kv:worker:<id>                  HASH  tier, replica, generation, seq, model_id,
-                                                  block_size, queued_tokens, running, kv_usage
+                                                  block_size, queued_tokens, waiting, running, kv_usage
     pdserve:kv:blocks:<id>:<generation>     SET   16-byte block hashes the worker holds now
 
 Both keys of a worker expire TTL_S after its last heartbeat (every HEARTBEAT_S), so a dead
@@ -107,13 +107,13 @@ return 0
 """
 
 # ARGV: model_id, block_size, hash*. Returns per live worker with that model and block
-# size: {id, tier, replica, hit blocks, queued_tokens, running, kv_usage}.
+# size: {id, tier, replica, hit blocks, queued_tokens, running, kv_usage, waiting}.
 LOOKUP = """
 local out = {}
 local n = #ARGV - 2
 for _, id in ipairs(redis.call('SMEMBERS', '""" + WORKERS + """')) do
   local w = redis.call('HMGET', '""" + PREFIX + """worker:' .. id,
-    'tier', 'replica', 'generation', 'model_id', 'block_size', 'queued_tokens', 'running', 'kv_usage')
+    'tier', 'replica', 'generation', 'model_id', 'block_size', 'queued_tokens', 'running', 'kv_usage', 'waiting')
   if not w[3] then
     redis.call('SREM', '""" + WORKERS + """', id)  -- expired: prune (its set expires on its own)
   elseif w[4] == ARGV[1] and w[5] == ARGV[2] then
@@ -129,7 +129,7 @@ for _, id in ipairs(redis.call('SMEMBERS', '""" + WORKERS + """')) do
       if not all then break end
       i = j + 1
     end
-    out[#out + 1] = {id, w[1], w[2], hit, w[6] or '0', w[7] or '0', w[8] or '0'}
+    out[#out + 1] = {id, w[1], w[2], hit, w[6] or '0', w[7] or '0', w[8] or '0', w[9] or '0'}
   end
 end
 return out
@@ -145,8 +145,13 @@ class WorkerView:
     replica: str
     hit_blocks: int
     queued_tokens: int
-    running: int
+    running: int  # in the batch, or receiving KV
     kv_usage: float
+    waiting: int = 0  # queued in its engine
+
+    @property
+    def requests(self) -> int:
+        return self.waiting + self.running
 
 
 KVEvents = tuple[list[BlockHash], list[BlockHash]]  # (stored, evicted)
@@ -172,7 +177,7 @@ class IndexPublisher:
     ):
         """`take_events()`: net changes since the last call; `snapshot()`: every hash
         held now, resetting the changes (both run on the engine's thread, so they are
-        consistent with each other); `load()`: queued_tokens, running, kv_usage."""
+        consistent with each other); `load()`: queued_tokens, waiting, running, kv_usage."""
         self.worker_id = worker_id
         self.generation = generation if generation is not None else time.time_ns()
         self._identity = {"tier": tier, "replica": replica, "generation": self.generation,
@@ -306,6 +311,7 @@ class PrefixIndex:
             WorkerView(
                 worker_id=row[0].decode(), tier=row[1].decode(), replica=row[2].decode(), hit_blocks=int(row[3]),
                 queued_tokens=int(float(row[4])), running=int(float(row[5])), kv_usage=float(row[6]),
+                waiting=int(float(row[7])),
             )
             for row in rows
         ]

@@ -150,31 +150,62 @@ def test_cancelled_stream_aborts_and_frees_blocks_on_both_tiers(ray_local, engin
     assert decode["finished"] == {"abort": 1}
 
 
-def test_decode_tier_scales_up_and_down_without_restarts_or_stranded_blocks(ray_local, engine_config, expected):
+def served(router, tier: str) -> dict[str, int]:
+    """Requests each worker of `tier` has finished (prefill workers finish each prompt once)."""
+    return {wid: sum(s["finished"].values()) for wid, s in router.worker_stats.remote().result()[tier].items()}
+
+
+def knows(router, tier: str, n: int) -> bool:
+    """The gateway's placement sees `n` replicas of `tier`: Serve routes to them all."""
+    return len(router.live_workers.remote().result()[tier]) == n
+
+
+@pytest.mark.parametrize("tier", ["decode", "prefill"])
+def test_a_new_replica_takes_its_share_at_once_and_leaves_cleanly(ray_local, engine_config, expected, tier):
+    """Scale `tier` from 1 to 2 replicas while long streams run: nothing restarts, the
+    streams go on, and the next 16 requests (8 prompts, 5 distinct prefixes) give the new
+    replica at least a quarter, because load beats affinity; then scale back down."""
     config = dataclasses.replace(engine_config, max_model_len=512)
-    router = deploy(config, decode=1)
-    (first_decode,) = router.worker_stats.remote().result()["decode"]
+    router = deploy(config)
+    (first,) = router.worker_stats.remote().result()[tier]
     long = dataclasses.replace(GREEDY, max_tokens=400)
+    scaled = {"prefill": 2 if tier == "prefill" else 1, "decode": 2 if tier == "decode" else 1}
 
     async def scale_while_streaming():
-        running = asyncio.ensure_future(collect(router, PROMPTS[0], long))
+        streams = [asyncio.ensure_future(collect(router, p, long)) for p in PROMPTS[:6]]
         await asyncio.sleep(0.5)
-        await asyncio.to_thread(deploy, config, 1, 2)  # redeploy: one more decode replica
-        tokens, finish = await running
-        return tokens, finish
+        await asyncio.to_thread(deploy, config, scaled["prefill"], scaled["decode"])
+        assert await asyncio.to_thread(wait_until, lambda: knows(router, tier, 2))
+        before = await asyncio.to_thread(served, router, tier)
+        results = await run_all(router, PROMPTS * 2)
+        return before, results, await asyncio.gather(*streams)
 
-    tokens, finish = asyncio.run(scale_while_streaming())
-    assert len(tokens) == 400 and finish == "length"  # the running stream was not interrupted
-    decodes = router.worker_stats.remote().result()["decode"]
-    assert len(decodes) == 2 and first_decode in decodes  # the first replica was not restarted
-    results = asyncio.run(run_all(router, PROMPTS * 2))
+    before, results, streams = asyncio.run(scale_while_streaming())
+    assert all(len(t) == 400 and f == "length" for t, f in streams)  # the running streams were not interrupted
     assert [t for t, _ in results] == expected * 2
-    served = {wid: sum(s["finished"].values()) for wid, s in router.worker_stats.remote().result()["decode"].items()}
-    assert all(n > 0 for n in served.values()), served  # the new replica takes requests
+    after = served(router, tier)
+    assert len(after) == 2 and first in after  # the first replica was not restarted
+    (new,) = set(after) - {first}
+    assert after[new] - before.get(new, 0) >= 16 // 4, (before, after)
 
-    deploy(config, decode=1)  # scale back down
-    assert wait_until(lambda: len(router.worker_stats.remote().result()["decode"]) == 1)
+    deploy(config)  # scale back down: the replica that goes takes no new work
+    assert wait_until(lambda: knows(router, tier, 1))
+    assert [t for t, _ in asyncio.run(run_all(router))] == expected
+    assert wait_until(lambda: len(router.worker_stats.remote().result()[tier]) == 1)
     assert wait_until(lambda: all_blocks_returned(router))
+
+
+def test_one_hot_prefix_spreads_over_both_decode_replicas(ray_local, engine_config):
+    """16 requests at once behind one shared prefix (one affinity): load beats affinity,
+    so neither decode replica takes them all."""
+    router = deploy(engine_config, decode=2)
+    assert wait_until(lambda: knows(router, "decode", 2))
+    before = served(router, "decode")
+    prompts = [SHARED * 2 + f"Question number {i}?" for i in range(16)]
+    results = asyncio.run(run_all(router, prompts, dataclasses.replace(GREEDY, max_tokens=24)))
+    assert all(f == "length" for _, f in results)
+    after = served(router, "decode")
+    assert min(after[w] - before.get(w, 0) for w in after) >= 16 // 4, (before, after)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

@@ -1,0 +1,130 @@
+"""Placement decisions against a real prefix index (redis-server, real publishers):
+the candidates are the replicas Serve routes to, not only the indexed ones; a replica
+the index does not list yet counts with an empty cache and no load; one Serve removed
+gets nothing; and load beats affinity past `load_margin`, for kv_aware and prefix_hash.
+(The same rules on a live cluster: tests/integration/test_cluster.py.)"""
+
+import asyncio
+
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig, RoutingConfig
+from cluster.engine.kv_cache_manager import num_reusable_blocks
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.hashing import hash_prefix_blocks
+from cluster.kv.prefix_index import IndexPublisher
+from cluster.redis_server import PrivateRedis
+from router.metrics import GatewayMetrics
+from router.placement import PREFIX_HASH_BLOCKS, Placer
+from router.replica_router import rendezvous_order
+
+BS = 8
+CONFIG = EngineConfig(model="/models/m", served_model_name="m", cache=CacheConfig(block_size=BS))
+PROMPT = list(range(1000, 1000 + 8 * BS + 3))  # 8 full blocks and 3 tokens
+HASHES = hash_prefix_blocks(PROMPT[: num_reusable_blocks(len(PROMPT), BS) * BS], BS, "m")
+
+
+class Worker:
+    """A published block pool with a given load, as a worker's IndexPublisher sees it."""
+
+    def __init__(self, url, tier, replica, cached=(), waiting=0, running=0):
+        self.pool = BlockPool(64, BS)
+        blocks = self.pool.allocate(len(cached))
+        for b, h in zip(blocks, cached):
+            self.pool.cache_block(b, h)
+        self.pool.free(reversed(blocks))
+        self.load = {"queued_tokens": 0, "waiting": waiting, "running": running, "kv_usage": 0.1}
+        self.publisher = IndexPublisher(url, f"{tier}-{replica}", tier, replica, "m", BS, take_events=self._take,
+                                        snapshot=self._snapshot, load=self._load)
+
+    async def _take(self):
+        return self.pool.take_events()
+
+    async def _snapshot(self):
+        self.pool.take_events()
+        return self.pool.cached_hashes()
+
+    async def _load(self):
+        return self.load
+
+
+@pytest.fixture
+def redis_url():
+    with PrivateRedis() as r:
+        yield r.url
+
+
+def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4):
+    metrics = GatewayMetrics("t")
+    routing = RoutingConfig(policy=policy, load_margin=margin)
+    names = {"PrefillWorker": "prefill", "DecodeWorker": "decode"}
+    return Placer(CONFIG, routing, url, False, metrics, live=lambda d: frozenset(live[names[d]])), metrics
+
+
+def publish(url, *workers_args):
+    async def go():
+        workers = [Worker(url, *a[:2], **a[2]) for a in workers_args]
+        for w in workers:
+            assert await w.publisher.sync()
+        return workers
+    return asyncio.run(go())
+
+
+def place(p, n=1):
+    async def go():
+        out = []
+        for _ in range(n):
+            out.append(await p.place(PROMPT))
+            p.started(out[-1])  # placed and running: this gateway counts it
+        return out
+    return asyncio.run(go())
+
+
+def test_a_replica_the_index_does_not_list_yet_counts_empty_and_idle(redis_url):
+    publish(redis_url, ("prefill", "p1", {"cached": HASHES, "running": 6}), ("decode", "d1", {"cached": HASHES, "running": 6}))
+    p, metrics = placer(redis_url, {"prefill": {"p1", "p2"}, "decode": {"d1", "d2"}})  # p2, d2: just started
+    (first,) = place(p)
+    # p1 and d1 hold the prefix but run 6 requests each; the new replicas run none.
+    assert (first.prefill.replica, first.decode.replica) == ("p2", "d2")
+    # Prefill's cost is in tokens, so the margin rule moved it; decode's cost already
+    # weighs its running requests (running_weight), so its cost alone chose d2.
+    assert metrics.load_overrides.labels("prefill")._value.get() == 1
+
+
+def test_a_replica_serve_removed_gets_nothing_even_if_indexed(redis_url):
+    publish(redis_url, ("prefill", "p1", {"cached": HASHES}), ("prefill", "p2", {}), ("decode", "d1", {}))
+    p, _ = placer(redis_url, {"prefill": {"p2"}, "decode": {"d1"}})  # p1 is being stopped
+    assert {pl.prefill.replica for pl in place(p, 4)} == {"p2"}
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "prefix_hash"])
+def test_load_beats_affinity_for_one_hot_prefix(redis_url, policy):
+    publish(redis_url, ("prefill", "p1", {"cached": HASHES}), ("prefill", "p2", {}),
+            ("decode", "d1", {"cached": HASHES}), ("decode", "d2", {}))
+    p, metrics = placer(redis_url, {"prefill": {"p1", "p2"}, "decode": {"d1", "d2"}}, policy=policy, margin=4)
+    placements = place(p, 16)  # one prefix, all running at once
+    for tier in ("prefill", "decode"):
+        chosen = [getattr(pl, tier).replica for pl in placements]
+        counts = {r: chosen.count(r) for r in set(chosen)}
+        assert len(counts) == 2 and min(counts.values()) >= 16 // 4, (tier, counts)
+        assert max(counts.values()) - min(counts.values()) <= 4 + 1  # never past the margin (+ the one placed)
+    # prefix_hash knows no load but by the margin rule; kv_aware's decode cost weighs load itself.
+    assert metrics.load_overrides.labels("prefill")._value.get() > 0
+    assert (metrics.load_overrides.labels("decode")._value.get() > 0) == (policy == "prefix_hash")
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "prefix_hash"])
+def test_within_the_margin_affinity_wins(redis_url, policy):
+    home, other = rendezvous_order(HASHES[PREFIX_HASH_BLOCKS - 1], ["p1", "p2"])  # prefix_hash's choice
+    publish(redis_url, ("prefill", home, {"cached": HASHES, "running": 4}), ("prefill", other, {}),
+            ("decode", "d1", {}), ("decode", "d2", {}))
+    p, metrics = placer(redis_url, {"prefill": {"p1", "p2"}, "decode": {"d1", "d2"}}, policy=policy, margin=4)
+    (pl,) = place(p)
+    assert pl.prefill.replica == home  # its cache (kv_aware) or the prefix's hash wins: 4 requests is within 4
+    assert metrics.load_overrides.labels("prefill")._value.get() == 0
+
+
+def test_without_serve_s_replica_set_placement_defers_to_serve(redis_url):
+    p = Placer(CONFIG, RoutingConfig(policy="prefix_hash"), None, False, GatewayMetrics("t"), live=lambda d: None)
+    (pl,) = place(p)
+    assert pl.decode.replica is None and pl.decode.affinity_key is not None  # Serve's request router hashes it
