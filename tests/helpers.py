@@ -2,6 +2,9 @@
 
 import time
 
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.prefix_index import IndexPublisher
+
 
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.2) -> bool:
     """Poll `predicate` until it holds or the time is up (for state that settles
@@ -18,3 +21,35 @@ def all_blocks_returned(handle) -> bool:
     """Every worker of every tier has no request running and no block in use."""
     stats = handle.worker_stats.remote().result()
     return all(s["used_blocks"] == 0 and s["running"] == 0 for tier in stats.values() for s in tier.values())
+
+
+class IndexedWorker:
+    """A real block pool and the IndexPublisher a worker would run over it, with a given
+    load: the prefix index's side of a worker, without an engine."""
+
+    def __init__(self, url, worker_id, tier="prefill", model_id="model-a", block_size=4, generation=None, load=None):
+        self.pool = BlockPool(64, block_size)
+        self.load = {"queued_tokens": 7, "waiting": 0, "running": 2, "kv_usage": 0.0, **(load or {})}
+        self.publisher = IndexPublisher(
+            url, worker_id, tier, replica=worker_id.split("-", 1)[1], model_id=model_id, block_size=block_size,
+            take_events=self._take, snapshot=self._snapshot, load=self._load, generation=generation,
+        )
+
+    async def _take(self):
+        return self.pool.take_events()
+
+    async def _snapshot(self):
+        self.pool.take_events()
+        return self.pool.cached_hashes()
+
+    async def _load(self):
+        return self.load
+
+    def cache(self, hashes):
+        blocks = self.pool.allocate(len(hashes))
+        for b, h in zip(blocks, hashes):
+            self.pool.cache_block(b, h)
+        self.pool.free(reversed(blocks))  # idle but still cached
+
+    def evict_all(self):
+        self.pool.reset_prefix_cache()

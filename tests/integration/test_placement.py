@@ -10,42 +10,17 @@ import pytest
 
 from cluster.config import CacheConfig, EngineConfig, RoutingConfig
 from cluster.engine.kv_cache_manager import num_reusable_blocks
-from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import hash_prefix_blocks
-from cluster.kv.prefix_index import IndexPublisher
 from cluster.redis_server import PrivateRedis
 from router.metrics import GatewayMetrics
 from router.placement import PREFIX_HASH_BLOCKS, Placer
 from router.replica_router import rendezvous_order
+from tests.helpers import IndexedWorker
 
 BS = 8
 CONFIG = EngineConfig(model="/models/m", served_model_name="m", cache=CacheConfig(block_size=BS))
 PROMPT = list(range(1000, 1000 + 8 * BS + 3))  # 8 full blocks and 3 tokens
 HASHES = hash_prefix_blocks(PROMPT[: num_reusable_blocks(len(PROMPT), BS) * BS], BS, "m")
-
-
-class Worker:
-    """A published block pool with a given load, as a worker's IndexPublisher sees it."""
-
-    def __init__(self, url, tier, replica, cached=(), waiting=0, running=0):
-        self.pool = BlockPool(64, BS)
-        blocks = self.pool.allocate(len(cached))
-        for b, h in zip(blocks, cached):
-            self.pool.cache_block(b, h)
-        self.pool.free(reversed(blocks))
-        self.load = {"queued_tokens": 0, "waiting": waiting, "running": running, "kv_usage": 0.1}
-        self.publisher = IndexPublisher(url, f"{tier}-{replica}", tier, replica, "m", BS, take_events=self._take,
-                                        snapshot=self._snapshot, load=self._load)
-
-    async def _take(self):
-        return self.pool.take_events()
-
-    async def _snapshot(self):
-        self.pool.take_events()
-        return self.pool.cached_hashes()
-
-    async def _load(self):
-        return self.load
 
 
 @pytest.fixture
@@ -63,7 +38,12 @@ def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4):
 
 def publish(url, *workers_args):
     async def go():
-        workers = [Worker(url, *a[:2], **a[2]) for a in workers_args]
+        workers = []
+        for tier, replica, kw in workers_args:
+            w = IndexedWorker(url, f"{tier}-{replica}", tier, "m", BS,
+                              load={"queued_tokens": 0, "waiting": kw.get("waiting", 0), "running": kw.get("running", 0)})
+            w.cache(kw.get("cached", ()))
+            workers.append(w)
         for w in workers:
             assert await w.publisher.sync()
         return workers

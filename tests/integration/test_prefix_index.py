@@ -10,10 +10,10 @@ import pytest
 import redis
 
 from cluster.kv import prefix_index
-from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import hash_prefix_blocks
-from cluster.kv.prefix_index import IndexPublisher, PrefixIndex
+from cluster.kv.prefix_index import PrefixIndex
 from cluster.redis_server import PrivateRedis
+from tests.helpers import IndexedWorker
 
 BS = 4
 MODEL = "model-a"
@@ -21,34 +21,8 @@ TOKENS = list(range(100, 132))  # 8 full blocks
 HASHES = hash_prefix_blocks(TOKENS, BS, MODEL)
 
 
-class Worker:
-    """A block pool and its publisher, as a worker has them."""
-
-    def __init__(self, url, worker_id, tier="prefill", model_id=MODEL, block_size=BS, generation=None):
-        self.pool = BlockPool(64, block_size)
-        self.publisher = IndexPublisher(
-            url, worker_id, tier, replica=worker_id.split("-", 1)[1], model_id=model_id, block_size=block_size,
-            take_events=self._take, snapshot=self._snapshot, load=self._load, generation=generation,
-        )
-
-    async def _take(self):
-        return self.pool.take_events()
-
-    async def _snapshot(self):
-        self.pool.take_events()
-        return self.pool.cached_hashes()
-
-    async def _load(self):
-        return {"queued_tokens": 7, "running": 2, "kv_usage": self.pool.usage}
-
-    def cache(self, hashes):
-        blocks = self.pool.allocate(len(hashes))
-        for b, h in zip(blocks, hashes):
-            self.pool.cache_block(b, h)
-        self.pool.free(reversed(blocks))  # idle but still cached
-
-    def evict_all(self):
-        self.pool.reset_prefix_cache()
+def Worker(url, worker_id, **kw):  # noqa: N802 - reads like the class it builds
+    return IndexedWorker(url, worker_id, model_id=kw.pop("model_id", MODEL), block_size=kw.pop("block_size", BS), **kw)
 
 
 @pytest.fixture
