@@ -2,7 +2,9 @@
 
     GenerateRequest   router -> decode      the stream back is RequestOutput deltas
     PrefillRequest    decode -> prefill     compute this prompt, send me these blocks
+                      router -> prefill     (no decode worker) compute this one-token request
     PrefillResult     prefill -> decode     the first token and the transfer to receive
+                      prefill -> router     the finished one-token request
 
 Each carries the RouteHint Serve's request router reads (router/replica_router.py).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.engine.engine import RequestOutput
 from cluster.engine.sampler import TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.transport import StoreAddress
@@ -31,8 +34,8 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    decode_id: str  # the decode worker waiting for the KV
-    decode_address: StoreAddress  # its rendezvous store
+    decode_id: str | None  # the decode worker waiting for the KV; None: the request ends here
+    decode_address: StoreAddress | None  # its rendezvous store
     num_cached_tokens: int  # prompt tokens the decode already holds (whole blocks)
     num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
     route: RouteHint = RouteHint()  # which prefill replica
@@ -43,6 +46,7 @@ class PrefillResult:
     request_id: str
     prefill_id: str
     session: str  # names the (prefill, decode) process group the KV travels on
-    transfer_id: int  # matches the decode's receive to this send
+    transfer_id: int  # matches the decode's receive to this send (-1: nothing is sent)
     first_token_id: int
     first_logprob: TokenLogprob | None
+    output: RequestOutput | None = None  # the whole request's last delta, when it ended here

@@ -4,8 +4,10 @@ KV it lacks, and streams tokens from its continuous batch.
     router --generate(req)--> DecodeWorker
         1. engine: reserve blocks (its own prefix cache covers what it can)
         2. prefill.prefill(...)            -> first token, transfer id   (Ray call)
-        3. transport: receive the blocks   (bulk, over the pair's process group)
-        4. engine: commit (KV arrived, or recompute per policy) and stream deltas
+        3. engine: accept the first token  -> its delta streams to the client at once
+        4. transport: receive the blocks   (bulk, over the pair's process group; runs
+                                            from step 2 on, in a receiver thread)
+        5. engine: commit (KV arrived, or recompute per policy) and stream deltas
 
 In colocated mode it runs both phases on its own engine (the baseline and reference).
 A stream that its consumer abandons aborts the request here and at the prefill.
@@ -21,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.engine import RequestOutput
-from cluster.errors import KVCacheFullError, TransferFailedError
+from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError
 from cluster.kv.transport import KVTransferError
 from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult
 from cluster.worker import EngineWorker
@@ -77,17 +79,27 @@ class DecodeWorker(EngineWorker):
                     route=req.prefill_route,
                 )
             )
-            loop = asyncio.get_running_loop()
-            receiving = loop.run_in_executor(self._receivers, self._receive, result, block_ids)
+            receiving = asyncio.get_running_loop().run_in_executor(self._receivers, self._receive, result, block_ids)
             try:
-                kv_received = await asyncio.shield(receiving)
-            except asyncio.CancelledError:
-                # The receiving thread writes into the reserved blocks: free them only after it ends.
+                first = await self.engine.call(
+                    lambda e: e.accept_first_token(req.request_id, result.first_token_id, result.first_logprob)
+                )
+                if first is None:
+                    raise EngineDeadError(f"request {req.request_id} stopped waiting for its KV")
+                yield first  # the client's first token, while the KV is still in flight
+                if not first.finished:
+                    kv_received = await asyncio.shield(receiving)
+            except BaseException:
+                # Cancelled, abandoned or failed while the receiving thread writes into the
+                # reserved blocks: free them only after it ends.
                 abort_on_exit = False
-                receiving.add_done_callback(lambda _: self.engine.abort(req.request_id))
+                self._abort_after(receiving, req.request_id)
                 raise
             abort_on_exit = False  # from here the engine owns the request (and its abort)
-            async for out in self.engine.commit_remote(req.request_id, result.first_token_id, kv_received, result.first_logprob):
+            if first.finished:  # its first token ended it: the blocks go once the receive is over
+                self._abort_after(receiving, req.request_id)
+                return
+            async for out in self.engine.commit_remote(req.request_id, kv_received):
                 yield out
         finally:
             if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation
@@ -105,6 +117,14 @@ class DecodeWorker(EngineWorker):
             if loop.time() > deadline:
                 raise KVCacheFullError(f"decode worker {self.worker_id} had no room for {len(req.prompt_token_ids)} tokens")
             await asyncio.sleep(0.02)
+
+    def _abort_after(self, receiving: asyncio.Future, request_id: str) -> None:
+        def abort(done: asyncio.Future) -> None:
+            if not done.cancelled():
+                done.exception()  # retrieved: a failed receive ends here (the request is over)
+            self.engine.abort(request_id)
+
+        receiving.add_done_callback(abort)
 
     def _receive(self, result: PrefillResult, block_ids: list[int]) -> bool:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""

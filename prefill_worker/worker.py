@@ -14,7 +14,6 @@ arrives, and transfers are matched by transfer id, not by order.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import uuid
@@ -42,10 +41,11 @@ class PrefillWorker(EngineWorker):
         self._sender = ThreadPoolExecutor(max_workers=SENDER_THREADS, thread_name_prefix="kv-send")
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        first = dataclasses.replace(req.params, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=())
+        if req.decode_id is None:
+            return await self._whole_request(req)
         out = None
-        async for out in self.engine.generate(req.prompt_token_ids, first, req.request_id, hold_kv=True):  # noqa: B007 - the last delta
-            pass
+        async for out in self.engine.generate(req.prompt_token_ids, req.params.for_first_token(), req.request_id, hold_kv=True):  # noqa: B007
+            pass  # one delta: the first token
         self.publish_soon()  # the prompt's blocks are cached now
         try:
             blocks = await self.engine.call(lambda e: e.block_table(req.request_id))
@@ -63,6 +63,23 @@ class PrefillWorker(EngineWorker):
             transfer_id=transfer_id,
             first_token_id=out.new_token_ids[0],
             first_logprob=out.logprobs[0] if out.logprobs else None,
+        )
+
+    async def _whole_request(self, req: PrefillRequest) -> PrefillResult:
+        """A request that ends with its first token (max_tokens=1): computed and finished
+        here, with its own stop conditions; no decode worker, no KV transfer."""
+        out = None
+        async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id):  # noqa: B007
+            pass  # one step: one delta, finished
+        self.publish_soon()
+        return PrefillResult(
+            request_id=req.request_id,
+            prefill_id=self.worker_id,
+            session=self.session,
+            transfer_id=-1,
+            first_token_id=out.new_token_ids[0],
+            first_logprob=out.logprobs[0] if out.logprobs else None,
+            output=out,
         )
 
     def _send_then_release(self, req: PrefillRequest, block_ids: list[int], transfer_id: int) -> None:

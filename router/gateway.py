@@ -226,16 +226,17 @@ class Gateway:
 
     @api.get("/ready", response_model=p.Health, tags=["health"], responses={401: ERRORS[401], 503: {"model": p.Health}})
     async def ready(self):
-        """Readiness: one real token through prefill, KV transfer and decode, in time."""
+        """Readiness: real tokens through prefill, KV transfer and decode, in time (two:
+        a one-token request would end at the prefill worker)."""
         prompt = self.router.inputs.tokenizer.encode("ready")
 
-        async def one_token() -> None:
-            async for out in self.router.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+        async def through_every_tier() -> None:
+            async for out in self.router.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
                 if out.finished and out.finish_reason == "abort":
                     raise RuntimeError("aborted")
 
         try:
-            await asyncio.wait_for(one_token(), self.config.ready_timeout_s)
+            await asyncio.wait_for(through_every_tier(), self.config.ready_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure means not ready
             detail = "timed out" if isinstance(e, TimeoutError) else type(from_exception(e)).__name__
             return JSONResponse(p.Health(status="unavailable", detail=detail).model_dump(), status_code=503)

@@ -5,7 +5,8 @@
 It validates and tokenizes at the edge (bad input raises InvalidRequestError before any
 worker is involved), places the request on a (prefill, decode) pair by the routing
 policy (router/placement.py), streams its deltas from the decode worker (which calls
-the chosen prefill worker), and observes each stream's latency. A stream its consumer
+the chosen prefill worker; a one-token request goes to the prefill worker alone), and
+observes each stream's latency. A stream its consumer
 abandons is cancelled, which aborts the request on every tier.
 """
 
@@ -22,7 +23,7 @@ from cluster.config import EngineConfig, RoutingConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.sampling_params import SamplingParams
-from cluster.messages import GenerateRequest
+from cluster.messages import GenerateRequest, PrefillRequest
 from router.metrics import GatewayMetrics
 from router.placement import Placer
 
@@ -58,12 +59,20 @@ class Router:
         request_id = request_id or self.new_request_id()
         timer = self.metrics.track()
         placement = await self.placer.place(ids)
+        one_token = self.prefill is not None and params.max_tokens == 1
+        if one_token:
+            placement.decode_worker = None  # it ends with its first token: no decode worker is involved
         self.placer.started(placement)
-        request = GenerateRequest(request_id, ids, params, route=placement.decode, prefill_route=placement.prefill)
-        stream = self.decode.options(stream=True).generate.remote(request)
+        if one_token:
+            prefill = PrefillRequest(request_id, ids, params, None, None, 0, 0, route=placement.prefill)
+            stream = self.prefill.prefill.remote(prefill)
+            outputs = _last_output(stream)
+        else:
+            request = GenerateRequest(request_id, ids, params, route=placement.decode, prefill_route=placement.prefill)
+            stream = outputs = self.decode.options(stream=True).generate.remote(request)
         status, finish_reason = "error", None
         try:
-            async for out in stream:
+            async for out in outputs:
                 if out.new_token_ids:
                     if timer.last is None:
                         self.placer.first_token(placement)
@@ -76,7 +85,7 @@ class Router:
             raise
         finally:
             if finish_reason is None:
-                stream.cancel()  # abandoned or failed: abort on the decode (and prefill) tier
+                stream.cancel()  # abandoned or failed: abort on every tier
             self.placer.finished(placement)
             timer.finish(status, finish_reason)
 
@@ -104,3 +113,9 @@ class Router:
                     break
             out[tier] = seen
         return out
+
+
+async def _last_output(call) -> AsyncIterator[RequestOutput]:
+    """The finished output a prefill worker returns for a one-token request, as a stream."""
+    result = await call
+    yield result.output

@@ -98,21 +98,16 @@ class AsyncEngine:
         self._post(_Call(fn, loop, future))
         return await future
 
-    async def commit_remote(
-        self, request_id: str, first_token_id: int, kv_received: bool, first_logprob=None
-    ) -> AsyncIterator[RequestOutput]:
-        """Join a request reserved with Engine.add_remote_request to the batch and stream it:
-        first the delta of the prefill's token, then the decode steps."""
+    async def commit_remote(self, request_id: str, kv_received: bool) -> AsyncIterator[RequestOutput]:
+        """Join a request reserved with Engine.add_remote_request (its first token already
+        accepted) to the batch and stream its decode steps."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
 
         def commit(engine: Engine) -> None:
-            out = engine.commit_remote(request_id, first_token_id, kv_received, first_logprob)
-            if out is None:
+            if not engine.commit_remote(request_id, kv_received):
                 sink.put(EngineDeadError(f"request {request_id} was not waiting for KV"))
                 return
-            if not out.finished:
-                self._sinks[request_id] = sink
-            sink.put(out)
+            self._sinks[request_id] = sink
 
         await self.call(commit)
         async for item in self._drain(request_id, sink):

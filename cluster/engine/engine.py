@@ -169,18 +169,23 @@ class Engine:
         block_ids, num_cached = reserved
         return request.request_id, block_ids, num_cached
 
-    def commit_remote(
-        self, request_id: str, first_token_id: int, kv_received: bool, first_logprob: TokenLogprob | None = None
-    ) -> RequestOutput | None:
-        """Join a remote-prefilled request to the batch with the token the prefill sampled.
+    def accept_first_token(self, request_id: str, token_id: int, logprob: TokenLogprob | None = None) -> RequestOutput | None:
+        """The token the prefill worker sampled, for a request reserved with
+        add_remote_request whose KV is still arriving: its delta (text, stop strings,
+        finish) now, so the client gets it before the transfer ends. If it ends the request,
+        the blocks stay held until `abort`/`release`, after the receive is over."""
+        update = self.scheduler.accept_remote_token(request_id, token_id)
+        if update is None:
+            return None
+        return self._process(request_id, update.new_token_ids, update.status, logprob)
+
+    def commit_remote(self, request_id: str, kv_received: bool) -> bool:
+        """Join a remote-prefilled request (first token accepted) to the running batch.
 
         kv_received=False (the transfer failed, policy `recompute`): the prompt beyond
         the local cached prefix is recomputed here before decoding continues.
         """
-        update = self.scheduler.commit_remote(request_id, first_token_id, kv_received)
-        if update is None:
-            return None
-        return self._process(request_id, update.new_token_ids, update.status, first_logprob)
+        return self.scheduler.commit_remote(request_id, kv_received)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; returns its final (empty) delta."""

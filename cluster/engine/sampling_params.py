@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cluster.errors import InvalidRequestError
@@ -91,6 +92,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_first_token(self) -> SamplingParams:
+        """What a prefill worker samples the first token with: one token, under the same
+        bans (min_tokens keeps stop tokens out of it); stop strings are the decode side's."""
+        return dataclasses.replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1), stop=())
 
     def validate(self) -> None:
         for name, limit in LIMITS.items():

@@ -132,25 +132,40 @@ class Scheduler:
         self.receiving[request.request_id] = request
         return self.kv.block_table(request.request_id)[num_cached // self.kv.block_size :], num_cached
 
-    def commit_remote(self, request_id: str, first_token_id: int, kv_received: bool) -> RequestUpdate | None:
-        """The prompt's KV arrived (or not): join the running batch with the first token.
+    def accept_remote_token(self, request_id: str, first_token_id: int) -> RequestUpdate | None:
+        """The prefill worker's first token, while the prompt's KV is still in flight: it
+        joins the request's output now (so it streams at once) and may end the request.
 
-        With kv_received=False the prompt beyond the cached prefix is recomputed here:
-        progress just stays at the cached prefix and the scheduler does the rest.
+        Until commit_remote the request holds its blocks whatever happens (hold_kv): the
+        receiving thread writes into them. Ended here, it waits in `held` until released.
         """
-        request = self.receiving.pop(request_id, None)
-        if request is None:
+        request = self.receiving.get(request_id)
+        if request is None or request.output_token_ids:
             return None
-        if kv_received:
-            request.num_computed_tokens = request.num_tokens
-            self.kv.cache_computed_blocks(request)
+        request.hold_kv = True
         request.output_token_ids.append(first_token_id)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
         status = request.stop_status(self.max_model_len)
         if status is not None:
             self.finish_request(request_id, status)
         return RequestUpdate(request_id, [first_token_id], request.status)
+
+    def commit_remote(self, request_id: str, kv_received: bool) -> bool:
+        """The prompt's KV arrived (or not): join the running batch, after its first token.
+
+        With kv_received=False the prompt beyond the cached prefix is recomputed here:
+        progress just stays at the cached prefix and the scheduler does the rest.
+        """
+        request = self.receiving.get(request_id)
+        if request is None or not request.output_token_ids:
+            return False
+        del self.receiving[request_id]
+        request.hold_kv = False
+        if kv_received:
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv.cache_computed_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
 
     @property
     def num_unfinished(self) -> int:

@@ -102,6 +102,21 @@ def test_disaggregated_equals_colocated(ray_local, engine_config, expected, pref
     assert wait_until(lambda: all_blocks_returned(router))
 
 
+def test_a_one_token_request_never_touches_the_decode_tier(ray_local, engine_config, expected):
+    router = deploy(engine_config)
+
+    def counts():
+        stats = router.worker_stats.remote().result()
+        (d,), (p,) = stats["decode"].values(), stats["prefill"].values()
+        return sum(d["finished"].values()), d["transport"]["transfers_ok"], sum(p["finished"].values())
+
+    decoded, received, prefilled = counts()
+    tokens, finish = asyncio.run(collect(router, PROMPTS[1], dataclasses.replace(GREEDY, max_tokens=1)))
+    assert tokens == expected[1][:1] and finish == "length"
+    assert counts() == (decoded, received, prefilled + 1)
+    assert wait_until(lambda: all_blocks_returned(router))
+
+
 def test_tight_kv_caches_wait_and_preempt_but_tokens_stay_equal(ray_local, engine_config, expected):
     """34 blocks of 8 tokens per worker: the 8 concurrent requests do not fit at once, so
     decode reservations wait and running requests are preempted and recomputed."""

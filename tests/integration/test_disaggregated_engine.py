@@ -2,7 +2,6 @@
 tokens as one colocated engine. This is the data path the workers run, minus Ray and
 the network (blocks are copied directly between the two engines' caches here)."""
 
-import dataclasses
 
 import pytest
 
@@ -30,9 +29,8 @@ def copy_blocks(src: Engine, src_ids, dst: Engine, dst_ids):
 
 
 def prefill(engine: Engine, prompt, params) -> tuple[str, int]:
-    """Run the prompt with max_tokens=1, keeping its blocks: (request id, first token)."""
-    first = dataclasses.replace(params, max_tokens=1, min_tokens=0)
-    rid = engine.add_request(prompt, first, hold_kv=True)
+    """Run the prompt for its first token, keeping its blocks: (request id, first token)."""
+    rid = engine.add_request(prompt, params.for_first_token(), hold_kv=True)
     token = None
     while token is None:
         for out in engine.step():
@@ -46,13 +44,19 @@ def disaggregated(p_engine: Engine, d_engine: Engine, prompt, params, kv_receive
     reserved = d_engine.add_remote_request(prompt, params)
     assert reserved is not None
     drid, dst_ids, num_cached = reserved
+    # The first token streams before the KV arrives; the request then waits for it.
+    out = d_engine.accept_first_token(drid, first)
+    assert out.new_token_ids == [first] and d_engine.step() == []
+    tokens = list(out.new_token_ids)
     src_ids = p_engine.block_table(rid)[num_cached // BS :]
     assert len(src_ids) == len(dst_ids)
     if kv_received:
         copy_blocks(p_engine, src_ids, d_engine, dst_ids)
     assert p_engine.release(rid)
-    out = d_engine.commit_remote(drid, first, kv_received)
-    tokens = list(out.new_token_ids)
+    if out.finished:  # its first token ended it: the held blocks go once the copy is done
+        d_engine.abort(drid)
+        return tokens, num_cached, len(dst_ids)
+    assert d_engine.commit_remote(drid, kv_received)
     while not out.finished:
         for out in d_engine.step():
             tokens += out.new_token_ids
@@ -110,3 +114,36 @@ def test_abort_releases_held_and_reserved_blocks(tiny_llama):
     for e in (p_engine, d_engine):
         e.check_integrity()
         assert e.pool.num_used_blocks == 0
+
+
+def test_first_token_that_ends_the_request_frees_blocks_only_after_the_transfer(tiny_llama):
+    """A first token that is a stop token ends the request at once (the client sees the
+    finish before the KV arrives); the reserved blocks stay held, since the receive still
+    writes them, until the worker aborts after it."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    first_greedy = make_engine(tiny_llama).generate([PROMPTS[1]], greedy)[0].token_ids[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[first_greedy])
+    p_engine, d_engine = make_engine(tiny_llama), make_engine(tiny_llama)
+    rid, first = prefill(p_engine, PROMPTS[1], params)
+    assert first == first_greedy
+    drid, _, _ = d_engine.add_remote_request(PROMPTS[1], params)
+    out = d_engine.accept_first_token(drid, first)
+    assert out.finished and out.finish_reason == "stop" and out.new_text == ""
+    assert d_engine.pool.num_used_blocks > 0  # held: the transfer may still write them
+    assert not d_engine.commit_remote(drid, True)  # it never joins the batch
+    d_engine.abort(drid)  # what the worker does once the receive is over
+    p_engine.abort(rid)
+    for e in (p_engine, d_engine):
+        e.check_integrity()
+        assert e.pool.num_used_blocks == 0
+
+
+def test_the_prefills_first_token_respects_min_tokens(tiny_llama):
+    """min_tokens bans stop tokens from the first token on the prefill worker too."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    first_greedy = make_engine(tiny_llama).generate([PROMPTS[2]], greedy)[0].token_ids[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=2, stop_token_ids=[first_greedy])
+    expected = make_engine(tiny_llama).generate([PROMPTS[2]], params)[0].token_ids
+    assert expected[0] != first_greedy  # banned there ...
+    tokens, _, _ = disaggregated(make_engine(tiny_llama), make_engine(tiny_llama), PROMPTS[2], params)
+    assert tokens == expected  # ... and here
