@@ -148,7 +148,7 @@ class AsyncEngine:
             self._wakeup.clear()
             if not self._drain_inbox():
                 return
-            if not self.engine.has_unfinished:
+            if not self.engine.has_schedulable:  # idle, or only waiting for KV: sleep until a message
                 self._wakeup.wait()
                 continue
             try:

@@ -201,6 +201,10 @@ class Engine:
         return self.scheduler.has_unfinished
 
     @property
+    def has_schedulable(self) -> bool:
+        return self.scheduler.has_schedulable
+
+    @property
     def num_unfinished(self) -> int:
         return self.scheduler.num_unfinished
 

@@ -175,6 +175,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_schedulable(self) -> bool:
+        """Requests a step could compute. Those waiting for KV are unfinished but not
+        schedulable: only a message (commit, abort) changes that, never a step."""
+        return bool(self.running or self.waiting)
+
     # ---- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -139,3 +139,13 @@ def test_max_model_len_finishes_with_length():
     _, updates = run_step(s)
     assert updates[0].status == RequestStatus.FINISHED_LENGTH
     assert s.kv.pool.num_idle_blocks == s.kv.pool.num_blocks
+
+
+def test_requests_waiting_for_kv_are_not_schedulable():
+    """The engine thread sleeps while its only requests wait for KV (it must not spin)."""
+    s = make()
+    assert s.add_remote_request(req("r", 20)) is not None
+    assert s.has_unfinished and not s.has_schedulable
+    assert s.schedule().is_empty
+    assert s.accept_remote_token("r", 7) is not None and not s.has_schedulable
+    assert s.commit_remote("r", kv_received=True) and s.has_schedulable
