@@ -9,6 +9,8 @@ compare  runs the same workload against two targets, alternately for --rounds ro
          local configuration it starts itself on a local Ray:
              colocated[:ROUTING]      one engine per replica doing both phases
              <P>p<D>d[:ROUTING]       P prefill and D decode replicas, e.g. 1p1d, 2p1d:round_robin
+         and either with @T: T torch threads per replica instead of --torch-threads, so
+         that configurations with the same total threads compare (colocated@2 vs 1p1d@1).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def run_sweep(args) -> int:
 
 # ---- compare -----------------------------------------------------------------------------
 
-LOCAL = re.compile(r"^(colocated|(\d+)p(\d+)d)(?::(\w+))?$")
+LOCAL = re.compile(r"^(colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?$")
 
 
 def parse_target(spec: str):
@@ -79,7 +81,8 @@ def parse_target(spec: str):
         return spec
     m = LOCAL.match(spec)
     if not m:
-        raise ValueError(f"target {spec!r}: give a URL, 'colocated[:routing]' or '<P>p<D>d[:routing]' (e.g. 1p1d, 2p1d:round_robin)")
+        raise ValueError(f"target {spec!r}: give a URL, 'colocated[:routing][@threads]' or '<P>p<D>d[:routing][@threads]' "
+                         "(e.g. 1p1d, 2p1d:round_robin, colocated@2)")
     return spec
 
 
@@ -88,14 +91,15 @@ def local_cluster(spec: str, args):
     """Deploy `spec` on the local Ray (started once) and yield its base URL."""
     m = LOCAL.match(spec)
     colocated = m.group(1) == "colocated"
-    tier = TierConfig(num_cpus=0.5, torch_threads=args.torch_threads)
+    threads = int(m.group(5) or args.torch_threads)
+    tier = TierConfig(num_cpus=0.5, torch_threads=threads)
     config = ClusterConfig(
         engine=EngineConfig(model=args.local_model, dtype=args.dtype, served_model_name="bench",
                             max_model_len=args.max_model_len,
                             cache=CacheConfig(memory_gib=args.kv_cache_gib),
                             scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk)),
-        prefill=tier if colocated else TierConfig(num_replicas=int(m.group(2)), num_cpus=0.5, torch_threads=args.torch_threads),
-        decode=tier if colocated else TierConfig(num_replicas=int(m.group(3)), num_cpus=0.5, torch_threads=args.torch_threads),
+        prefill=tier if colocated else TierConfig(num_replicas=int(m.group(2)), num_cpus=0.5, torch_threads=threads),
+        decode=tier if colocated else TierConfig(num_replicas=int(m.group(3)), num_cpus=0.5, torch_threads=threads),
         router=TierConfig(num_cpus=0.1),
         colocated=colocated,
         redis_url=args._redis.url,
