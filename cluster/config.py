@@ -41,10 +41,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 64  # requests in the running batch
     long_prefill_token_threshold: int = 0  # >0 caps one request's chunk per step
+    # While requests decode, a step carries only as much prompt work as keeps it within
+    # this many decode-only steps' time (learned online, cluster/engine/step_budget.py):
+    # a long prompt joining the batch stalls each decode at most ~this much. 0: no cap.
+    max_step_slowdown: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_step_slowdown != 0 and self.max_step_slowdown <= 1:
+            raise ValueError("max_step_slowdown must be 0 (off) or > 1")
 
 
 @dataclass(frozen=True)

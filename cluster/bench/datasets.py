@@ -74,6 +74,14 @@ def random_requests(args, tokenizer: Tokenizer) -> list[BenchRequest]:
     return [_request(tokenizer, prefix + _random_text(rng, tokenizer, i), o) for i, o in zip(ins, outs)]
 
 
+def interference_requests(args, tokenizer: Tokenizer, count: int) -> list[BenchRequest]:
+    """Long prompts sent beside the measured workload (--interference-*): the load that
+    tests how much other requests' prompts stall the measured decodes."""
+    rng = random.Random(args.seed + 1)
+    return [_request(tokenizer, _random_text(rng, tokenizer, args.interference_input_len), args.interference_output_len)
+            for _ in range(count)]
+
+
 def prefix_repetition_requests(args, tokenizer: Tokenizer) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     prefixes = [_random_text(rng, tokenizer, args.prefix_repetition_prefix_len) for _ in range(args.prefix_repetition_num_prefixes)]

@@ -12,6 +12,7 @@ tier, what the router predicted, and the KV bytes moved.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -96,6 +97,7 @@ async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[Reque
 
         tasks = []
         start = time.perf_counter()
+        interfering = asyncio.create_task(_interfere(client, args, model, tokenizer)) if args.interference_rate > 0 else None
         for item, at in zip(work, arrival_times(len(work), args.request_rate, args.burstiness, args.seed)):
             wait = start + at - time.perf_counter()  # absolute schedule: sleep overshoots do not add up
             if wait > 0:
@@ -105,8 +107,27 @@ async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[Reque
             tasks.append(asyncio.create_task(coroutine))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        if interfering is not None:
+            interfering.cancel()
+            await asyncio.gather(interfering, return_exceptions=True)
     bar.close()
     return results, duration, arrivals
+
+
+async def _interfere(client, args, model: str, tokenizer: Tokenizer) -> None:
+    """Until cancelled (when the measured workload is done): long prompts at
+    --interference-rate, Poisson, each its own request; their results are not counted."""
+    prompts = datasets.interference_requests(args, tokenizer, count=64)
+    rng = np.random.default_rng(args.seed + 1)
+    sent = []
+    try:
+        for i in itertools.count():
+            await asyncio.sleep(rng.exponential(1.0 / args.interference_rate))
+            p = prompts[i % len(prompts)]
+            sent.append(asyncio.create_task(send(client, args.endpoint, model, p.prompt, p.output_len, True, p.prompt_len)))
+    finally:
+        for task in sent:
+            task.cancel()
 
 
 # ---- what the server's own metrics say ---------------------------------------------------
@@ -370,6 +391,10 @@ def add_serve_flags(p) -> None:
     p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--interference-rate", type=float, default=0.0,
+                   help="pdserve: also send long prompts at this rate (req/s) while the workload runs; not measured")
+    p.add_argument("--interference-input-len", type=int, default=1536)
+    p.add_argument("--interference-output-len", type=int, default=2)
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 25,50,99")
     p.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")

@@ -97,7 +97,8 @@ def local_cluster(spec: str, args):
         engine=EngineConfig(model=args.local_model, dtype=args.dtype, served_model_name="bench",
                             max_model_len=args.max_model_len,
                             cache=CacheConfig(memory_gib=args.kv_cache_gib),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk)),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk,
+                                                      max_step_slowdown=args.max_step_slowdown)),
         prefill=tier if colocated else TierConfig(num_replicas=int(m.group(2)), num_cpus=0.5, torch_threads=threads),
         decode=tier if colocated else TierConfig(num_replicas=int(m.group(3)), num_cpus=0.5, torch_threads=threads),
         router=TierConfig(num_cpus=0.1),
@@ -132,6 +133,8 @@ def run_compare(args) -> int:
                 with (local_cluster(spec, args) if not spec.startswith("http") else _url(spec)) as url:
                     run_args = copy.copy(args)
                     run_args.base_url = url
+                    if label == "A" and args.interference_only_b:
+                        run_args.interference_rate = 0.0  # B's figures over A's: what the interference costs
                     run_args.model = None if not spec.startswith("http") else args.model
                     if not spec.startswith("http"):
                         run_args.tokenizer = args.local_model
@@ -182,4 +185,8 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of local engines")
+    p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
+                   help="of local engines (0: prompt chunks are not capped while requests decode)")
     p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")
+    p.add_argument("--interference-only-b", action="store_true",
+                   help="send the --interference-* load to target B only (A = the same target alone, e.g. colocated vs colocated)")

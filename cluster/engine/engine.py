@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from cluster.engine.runner import ModelRunner, num_kv_blocks
 from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
 from cluster.errors import InvalidRequestError
 from cluster.kv.block_pool import BlockPool
 from cluster.model.loader import load_model, open_checkpoint
@@ -96,6 +98,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.model_id)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        s = config.scheduler
+        self.step_budget = StepBudget(s.max_num_batched_tokens, s.max_step_slowdown, floor=MIN_PROMPT_CHUNK)
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device)
         self.sampler = Sampler()
         self._outputs: dict[str, _OutputState] = {}
@@ -210,12 +214,15 @@ class Engine:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.step_budget.prompt_tokens(self.scheduler.num_decoding))
         if sched.is_empty:
             return []
+        start = time.perf_counter()
         request_ids, logits = self.runner.execute(sched)
         rows = [self._sample_input(rid) for rid in request_ids]
         sampled = dict(zip(request_ids, self.sampler(logits, rows)))
+        num_decode = sum(1 for c in sched.chunks if len(c.token_ids) == 1 and c.sample)
+        self.step_budget.observe(num_decode, sched.total_tokens - num_decode, time.perf_counter() - start)
         updates = self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
         return [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
 

@@ -181,16 +181,30 @@ class Scheduler:
         schedulable: only a message (commit, abort) changes that, never a step."""
         return bool(self.running or self.waiting)
 
+    @property
+    def num_decoding(self) -> int:
+        """Running requests past their prompt: each computes one token per step."""
+        return sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running)
+
     # ---- one step ---------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prompt_budget: int | None = None) -> SchedulerOutput:
+        """`prompt_budget` caps the step's prompt tokens (chunks of prompts, as opposed to
+        the one token of each decoding request), within the step's token budget."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prompt_left = budget if prompt_budget is None else prompt_budget
         scheduled: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk_size(request, budget)
+            decoding = request.num_computed_tokens == request.num_tokens - 1
+            if not decoding:
+                n = min(n, prompt_left)
+                if n == 0:  # no prompt work left in this step: it continues in the next
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(request, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -201,15 +215,16 @@ class Scheduler:
                 out.num_scheduled_tokens[request.request_id] = n
                 scheduled.append(request)
                 budget -= n
+                prompt_left -= 0 if decoding else n
                 i += 1
 
-        while self.waiting and budget > 0 and not out.preempted_request_ids:
+        while self.waiting and budget > 0 and prompt_left > 0 and not out.preempted_request_ids:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
             cached_blocks, num_cached = self.kv.cached_prefix(request)
             request.num_computed_tokens = num_cached
-            n = self._chunk_size(request, budget)
+            n = min(self._chunk_size(request, budget), prompt_left)
             if not self.kv.allocate_slots(request, n, cached_blocks):
                 request.num_computed_tokens = 0
                 break
@@ -223,6 +238,7 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = n
             scheduled.append(request)
             budget -= n
+            prompt_left -= n
 
         for request in scheduled:
             n = out.num_scheduled_tokens[request.request_id]
