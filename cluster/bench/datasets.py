@@ -85,8 +85,9 @@ def interference_requests(args, tokenizer: Tokenizer, count: int) -> list[BenchR
 def prefix_repetition_requests(args, tokenizer: Tokenizer) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     prefixes = [_random_text(rng, tokenizer, args.prefix_repetition_prefix_len) for _ in range(args.prefix_repetition_num_prefixes)]
+    hot = round(args.num_prompts * args.prefix_repetition_hot_fraction)  # skew: this many share prefix 0
     requests = [
-        _request(tokenizer, prefixes[i % len(prefixes)] + _random_text(rng, tokenizer, args.prefix_repetition_suffix_len),
+        _request(tokenizer, prefixes[0 if i < hot else i % len(prefixes)] + _random_text(rng, tokenizer, args.prefix_repetition_suffix_len),
                  args.prefix_repetition_output_len)
         for i in range(args.num_prompts)
     ]

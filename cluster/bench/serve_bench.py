@@ -391,6 +391,8 @@ def add_serve_flags(p) -> None:
     p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--prefix-repetition-hot-fraction", type=float, default=0.0,
+                   help="pdserve: this fraction of the requests share the first prefix (skew); the rest cycle through all")
     p.add_argument("--interference-rate", type=float, default=0.0,
                    help="pdserve: also send long prompts at this rate (req/s) while the workload runs; not measured")
     p.add_argument("--interference-input-len", type=int, default=1536)

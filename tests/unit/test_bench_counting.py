@@ -7,9 +7,11 @@ import argparse
 import numpy as np
 import pytest
 
+from cluster.bench import datasets
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.serve_bench import add_serve_flags, arrival_times, goodput_slos, summarize, throughput_over_time
 from cluster.bench.sweep_compare import attainment
+from cluster.tokenizer import Tokenizer
 
 
 def args(*extra):
@@ -70,3 +72,16 @@ def test_arrivals_have_the_requested_rate_and_spread(burstiness, cv):
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08)  # gamma: CV = 1 / sqrt(shape)
     assert arrival_times(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
     assert arrival_times(5, 2.0, burstiness, 7) == arrival_times(5, 2.0, burstiness, 7)  # seeded
+
+
+def test_skewed_prefix_repetition_and_interference_prompts(tiny_llama):
+    tokenizer = Tokenizer.from_pretrained(tiny_llama)
+    a = args("--dataset-name", "prefix_repetition", "--num-prompts", "20", "--prefix-repetition-num-prefixes", "4",
+             "--prefix-repetition-prefix-len", "24", "--prefix-repetition-suffix-len", "8", "--prefix-repetition-hot-fraction", "0.8",
+             "--interference-input-len", "40")
+    requests = datasets.load(a, tokenizer)
+    heads = [r.prompt[:16] for r in requests]
+    hot = max(set(heads), key=heads.count)
+    assert heads.count(hot) == 16 + 1  # 80% share the first prefix; the rest cycle through all four (one more of it)
+    long = datasets.interference_requests(a, tokenizer, count=3)
+    assert len(long) == 3 and all(abs(r.prompt_len - 40) <= 2 for r in long) and all(r.output_len == 2 for r in long)
