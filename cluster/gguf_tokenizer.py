@@ -123,11 +123,11 @@ def load_tokenizer(model: str | Path) -> Tokenizer:
 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
-    if vocab.model == "gpt2" and vocab.tokens:
+    if not vocab.tokens:
+        raise GGUFTokenizerError("no tokenizer in the file (tokenizer.ggml.tokens is missing)")
+    if vocab.model == "gpt2":
         backend = _byte_level_bpe(vocab)
         add_bos_default = False
-    elif not vocab.tokens:
-        raise GGUFTokenizerError("no tokenizer in the file (tokenizer.ggml.tokens is missing)")
     elif vocab.model == "llama":
         backend = _sentencepiece_bpe(vocab)
         add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
