@@ -77,7 +77,7 @@ class EngineConfig:
         return self.served_model_name or default_served_name(self.model)
 
 
-FAILURE_POLICIES = ("fail", "recompute")
+FAILURE_POLICIES = ("retry", "recompute", "fail")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,11 @@ class TransportConfig:
     """How KV blocks move from prefill to decode workers (cluster/kv/transport.py)."""
 
     timeout_s: float = 30.0  # bound on every wait: rendezvous, send, receive
-    failure_policy: str = "recompute"  # fail: the request ends with an error; recompute: decode prefills it
+    # When a prefill worker fails before its reply (retry: ask another prefill replica,
+    # then compute on decode; recompute: compute on decode at once; fail: the request
+    # ends with an error), and when a transfer fails or times out (retry and recompute:
+    # decode recomputes the prompt; fail: the request ends with an error).
+    failure_policy: str = "recompute"
     fail_transfer_ids: tuple[int, ...] = ()  # fault injection (tests): these transfers fail
     fail_every_nth: int = 0  # fault injection (tests): every nth transfer fails
 
@@ -155,6 +159,11 @@ class RoutingConfig:
     # requests (queued + running) over the least-loaded worker of its tier gets no new
     # request, whatever it caches; the least-loaded one gets it.
     load_margin: int = 4
+    # A request whose decode worker fails mid-stream (died, unreachable, no progress for
+    # stall_timeout_s) is re-issued to another one with the tokens streamed so far, at
+    # most migration_limit times; the client's stream goes on without a gap or repeat.
+    migration_limit: int = 3
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -163,6 +172,8 @@ class RoutingConfig:
             raise ValueError("index_timeout_s must be > 0 and the weights >= 0")
         if self.load_margin < 0:
             raise ValueError("load_margin must be >= 0")
+        if self.migration_limit < 0 or self.stall_timeout_s <= 0:
+            raise ValueError("migration_limit must be >= 0 and stall_timeout_s > 0")
 
 
 @dataclass(frozen=True)

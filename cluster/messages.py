@@ -27,6 +27,7 @@ class GenerateRequest:
     params: SamplingParams
     route: RouteHint = RouteHint()  # which decode replica
     prefill_route: RouteHint = RouteHint()  # which prefill replica the decode worker should call
+    generated: tuple[int, ...] = ()  # output already streamed to the client: a migrated request resumes after it
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class PrefillRequest:
     num_cached_tokens: int  # prompt tokens the decode already holds (whole blocks)
     num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
     route: RouteHint = RouteHint()  # which prefill replica
+    generated: tuple[int, ...] = ()  # as GenerateRequest.generated ("prompt end" is after them)
 
 
 @dataclass(frozen=True)

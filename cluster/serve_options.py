@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from cluster.config import DTYPES, ROUTING_POLICIES, ClusterConfig
+from cluster.config import DTYPES, FAILURE_POLICIES, ROUTING_POLICIES, ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,12 @@ SERVE_FLAGS = (
          ROUTING_POLICIES),
     Flag("--load-margin", ("routing.load_margin",), "load beats affinity: a worker carrying this many requests "
          "over the least-loaded one of its tier gets no new request"),
+    Flag("--migration-limit", ("routing.migration_limit",), "re-issues of a request whose decode worker fails mid-stream "
+         "(0: the client gets the error)"),
+    Flag("--stall-timeout-s", ("routing.stall_timeout_s",), "a stream without a token for this long counts as a failed worker"),
+    Flag("--kv-failure-policy", ("transport.failure_policy",), "a failed prefill worker or KV transfer: retry on another "
+         "prefill replica, recompute on the decode worker, or fail the request", FAILURE_POLICIES),
+    Flag("--kv-transfer-timeout-s", ("transport.timeout_s",), "bound on each KV transfer wait (rendezvous, send, receive)"),
     Flag("--api-key-file", ("gateway.api_key_file",), "file of API keys, one per line"),
     Flag("--max-running-requests", ("gateway.max_running_requests",), "requests streaming at once, per gateway replica"),
     Flag("--max-queued-requests", ("gateway.max_queued_requests",), "requests waiting for a slot, per gateway replica; beyond: 503"),

@@ -9,6 +9,8 @@ A worker's constructor arguments are only what the replica runs on: scaling a ti
 
 from __future__ import annotations
 
+import os
+
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
@@ -54,6 +56,7 @@ class EngineWorker:
         return {
             "worker_id": self.worker_id,
             "tier": self.tier,
+            "pid": os.getpid(),
             **await self.engine.call(Engine.checked_stats),
             **self.tier_stats(),
             "transport": self.transport.stats() if self.transport else {},

@@ -3,7 +3,8 @@ KV it lacks, and streams tokens from its continuous batch.
 
     router --generate(req)--> DecodeWorker
         1. engine: reserve blocks (its own prefix cache covers what it can)
-        2. prefill.prefill(...)            -> first token, transfer id   (Ray call)
+        2. prefill.prefill(...)            -> first token, transfer id   (Ray call;
+                                              if the prefill worker fails: policy)
         3. engine: accept the first token  -> its delta streams to the client at once
         4. transport: receive the blocks   (bulk, over the pair's process group; runs
                                             from step 2 on, in a receiver thread)
@@ -23,15 +24,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.engine import RequestOutput
-from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError
+from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError, is_worker_fault
 from cluster.kv.transport import KVTransferError
 from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult
+from cluster.routing import RouteHint
 from cluster.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT_S = 60.0
 RECEIVER_THREADS = 32  # receives wait on peers; a stalled one must not queue the others
+PREFILL_ATTEMPTS = 3  # kv_failure_policy=retry: prefill replicas asked before computing here
+PREFILL_RETRY_BACKOFF_S = 0.2
 
 
 class DecodeWorker(EngineWorker):
@@ -44,7 +48,9 @@ class DecodeWorker(EngineWorker):
         self.policy = transport.failure_policy
         self.prefill = prefill_handle
         self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix="kv-recv")
-        self._counts = {"recomputed": 0}  # transfer failures: see the transport's counters
+        # Faults survived: transfers that failed (recomputed here), prefill calls that failed
+        # (retried or computed here). The transport counts its own transfers.
+        self._counts = {"recomputed": 0, "prefill_faults": 0, "computed_here": 0}
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         first = True
@@ -59,7 +65,7 @@ class DecodeWorker(EngineWorker):
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.colocated:
-            async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id):
+            async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id, generated=req.generated):
                 yield out
             return
         abort_on_exit = True
@@ -67,18 +73,12 @@ class DecodeWorker(EngineWorker):
             # Inside the try: a cancellation while reserving still aborts (the inbox keeps
             # the reserve-then-abort order on the engine thread).
             _, block_ids, num_cached = await self._reserve(req)
-            result: PrefillResult = await self.prefill.prefill.remote(
-                PrefillRequest(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    params=req.params,
-                    decode_id=self.worker_id,
-                    decode_address=self.transport.address,
-                    num_cached_tokens=num_cached,
-                    num_blocks=len(block_ids),
-                    route=req.prefill_route,
-                )
-            )
+            result = await self._prefill(req, len(block_ids), num_cached)
+            if result is None:  # no prefill worker computed it: this one does, in the reserved blocks
+                abort_on_exit = False
+                async for out in self.engine.compute_here(req.request_id):
+                    yield out
+                return
             receiving = asyncio.get_running_loop().run_in_executor(self._receivers, self._receive, result, block_ids)
             try:
                 first = await self.engine.call(
@@ -105,13 +105,49 @@ class DecodeWorker(EngineWorker):
             if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation
                 self.engine.abort(req.request_id)
 
+    async def _prefill(self, req: GenerateRequest, num_blocks: int, num_cached: int) -> PrefillResult | None:
+        """The prefill worker's result (first token, transfer to receive). When the prefill
+        worker fails before it replies (it died, its engine stopped), by policy: `retry`
+        asks another prefill replica (PREFILL_ATTEMPTS in all), then computes here;
+        `recompute` computes here at once (None); `fail` raises."""
+        route = req.prefill_route
+        attempts = PREFILL_ATTEMPTS if self.policy == "retry" else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self.prefill.prefill.remote(
+                    PrefillRequest(
+                        request_id=f"{req.request_id}.p{attempt}" if attempt > 1 else req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        params=req.params,
+                        decode_id=self.worker_id,
+                        decode_address=self.transport.address,
+                        num_cached_tokens=num_cached,
+                        num_blocks=num_blocks,
+                        route=route,
+                        generated=req.generated,
+                    )
+                )
+            except Exception as e:
+                if not is_worker_fault(e):
+                    raise
+                if self.policy == "fail":
+                    raise TransferFailedError(f"the prefill of {req.request_id} failed: {e}") from e
+                log.warning("prefill of %s failed (attempt %d of %d): %s", req.request_id, attempt, attempts, e)
+                self._counts["prefill_faults"] += 1
+                route = RouteHint()  # any live replica: Serve's router drops a dead one ...
+                await asyncio.sleep(PREFILL_RETRY_BACKOFF_S * attempt)  # ... once it has noticed
+        self._counts["computed_here"] += 1
+        return None
+
     async def _reserve(self, req: GenerateRequest) -> tuple[str, list[int], int]:
         """Blocks for the prompt; while the cache is full, wait for running requests to
         finish (they always do) up to RESERVE_TIMEOUT_S."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RESERVE_TIMEOUT_S
         while True:
-            reserved = await self.engine.call(lambda e: e.add_remote_request(req.prompt_token_ids, req.params, req.request_id))
+            reserved = await self.engine.call(
+                lambda e: e.add_remote_request(req.prompt_token_ids, req.params, req.request_id, req.generated)
+            )
             if reserved is not None:
                 return reserved
             if loop.time() > deadline:

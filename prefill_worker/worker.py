@@ -44,7 +44,8 @@ class PrefillWorker(EngineWorker):
         if req.decode_id is None:
             return await self._whole_request(req)
         out = None
-        async for out in self.engine.generate(req.prompt_token_ids, req.params.for_first_token(), req.request_id, hold_kv=True):  # noqa: B007
+        params = req.params.for_first_token(len(req.generated))
+        async for out in self.engine.generate(req.prompt_token_ids, params, req.request_id, hold_kv=True, generated=req.generated):  # noqa: B007
             pass  # one delta: the first token
         self.publish_soon()  # the prompt's blocks are cached now
         try:
@@ -66,10 +67,10 @@ class PrefillWorker(EngineWorker):
         )
 
     async def _whole_request(self, req: PrefillRequest) -> PrefillResult:
-        """A request that ends with its first token (max_tokens=1): computed and finished
-        here, with its own stop conditions; no decode worker, no KV transfer."""
+        """A request that ends with its next token (max_tokens=1, or one left after a
+        migration): computed and finished here, with its own stop conditions; no decode worker, no KV transfer."""
         out = None
-        async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id):  # noqa: B007
+        async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id, generated=req.generated):  # noqa: B007
             pass  # one step: one delta, finished
         self.publish_soon()
         return PrefillResult(

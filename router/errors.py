@@ -6,10 +6,8 @@ from __future__ import annotations
 import logging
 
 import grpc
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from cluster.errors import WORKER_FAULTS, InvalidRequestError
+from cluster.errors import InvalidRequestError, is_worker_fault
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +72,7 @@ def from_exception(e: BaseException) -> GatewayError:
         return e
     if isinstance(e, InvalidRequestError):  # also when raised in a worker (RayTaskError is a subclass)
         return BadRequest(str(e), param=e.param)
-    if isinstance(e, (*WORKER_FAULTS, RayActorError, BackPressureError, DeploymentUnavailableError)):
+    if is_worker_fault(e):
         log.warning("request failed in a worker: %s", e)
         return Unavailable("a worker could not serve this request; retry", retry_after_s=1)
     log.error("request failed", exc_info=e)

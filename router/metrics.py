@@ -62,6 +62,10 @@ class GatewayMetrics:
             "pdserve_route_load_overrides", "Placements where load beat affinity: the least-loaded worker got the request.",
             ["tier"], registry=self.registry,
         )
+        self.migrations = Counter(
+            "pdserve_request_migrations", "Requests re-issued to other workers after a worker fault mid-stream, by reason.",
+            ["reason"], registry=self.registry,
+        )
         self.index_lookup = Histogram(
             "pdserve_route_index_lookup_seconds", "Prefix-index lookups (one Redis round trip), failed ones included.",
             registry=self.registry, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),

@@ -124,7 +124,9 @@ class Placer:
         tiers = ("decode",) if self.colocated else ("prefill", "decode")
         return {tier: sorted(worker_id(tier, r) for r in self.live(TIER_DEPLOYMENTS[tier]) or ()) for tier in tiers}
 
-    async def place(self, prompt_ids: list[int]) -> Placement:
+    async def place(self, prompt_ids: list[int], avoid: frozenset[str] = frozenset()) -> Placement:
+        """`avoid`: workers that failed this request already (a migration): none of them
+        while the tier has another."""
         policy = self.config.policy
         if policy in ("round_robin", "power_of_two"):
             hint = RouteHint(policy=policy)
@@ -137,9 +139,9 @@ class Placer:
             views, reason = await self._lookup(hashes)
             if reason:
                 self.metrics.route_fallbacks.labels(reason).inc()
-        tiers = {"decode": self._candidates("decode", views)}
+        tiers = {"decode": self._candidates("decode", views, avoid)}
         if not self.colocated:
-            tiers["prefill"] = self._candidates("prefill", views)
+            tiers["prefill"] = self._candidates("prefill", views, avoid)
         if any(not c for c in tiers.values()):  # Serve's replica set not known here yet
             hint = RouteHint(affinity_key=affinity)
             return Placement(decode=hint, prefill=hint, fallback=reason)
@@ -166,12 +168,14 @@ class Placer:
             return views, "index_empty"
         return views, None
 
-    def _candidates(self, tier: str, views: list[WorkerView]) -> list[Candidate]:
+    def _candidates(self, tier: str, views: list[WorkerView], avoid: frozenset[str] = frozenset()) -> list[Candidate]:
         """The tier's workers Serve routes to, each with the index's view of it (an empty
         one for a replica the index does not list yet) and this gateway's own load on it."""
         indexed = {v.replica: v for v in views if v.tier == tier}
         live = self.live(TIER_DEPLOYMENTS[tier])
         replicas = live if live is not None else frozenset(indexed)
+        if any(worker_id(tier, r) not in avoid for r in replicas):
+            replicas = [r for r in replicas if worker_id(tier, r) not in avoid]
         out = []
         for replica in sorted(replicas):
             wid = worker_id(tier, replica)

@@ -6,26 +6,35 @@ It validates and tokenizes at the edge (bad input raises InvalidRequestError bef
 worker is involved), places the request on a (prefill, decode) pair by the routing
 policy (router/placement.py), streams its deltas from the decode worker (which calls
 the chosen prefill worker; a one-token request goes to the prefill worker alone), and
-observes each stream's latency. A stream its consumer
-abandons is cancelled, which aborts the request on every tier.
+observes each stream's latency. A stream its consumer abandons is cancelled, which
+aborts the request on every tier. A worker that fails a request mid-stream (dies, errs,
+stalls) does not end it: the request is re-issued elsewhere after the tokens already
+streamed (migration), and the client sees one unbroken stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig, RoutingConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import EngineDeadError, StalledError, can_migrate
 from cluster.messages import GenerateRequest, PrefillRequest
 from router.metrics import GatewayMetrics
 from router.placement import Placer
+
+log = logging.getLogger(__name__)
+
+MIGRATION_BACKOFF_S = 0.5  # x attempt: later re-issues give Serve time to replace a dead replica
 
 
 class Router:
@@ -44,6 +53,7 @@ class Router:
         self.decode = decode_handle.options()
         self.prefill = prefill_handle.options() if prefill_handle is not None else None
         self.metrics = metrics or GatewayMetrics(replica=uuid.uuid4().hex[:8])
+        self.routing = routing
         self.placer = Placer(engine_config, routing, redis_url, colocated=prefill_handle is None, metrics=self.metrics)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
@@ -54,40 +64,83 @@ class Router:
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas. A worker fault mid-stream (see _attempt) re-issues
+        it to other workers with the tokens streamed so far, up to migration_limit times:
+        the stream goes on with the next token, never a repeated or a missing one."""
         params = params or SamplingParams()
         ids = self.inputs.process(prompt, params)
         request_id = request_id or self.new_request_id()
         timer = self.metrics.track()
-        placement = await self.placer.place(ids)
-        one_token = self.prefill is not None and params.max_tokens == 1
-        if one_token:
-            placement.decode_worker = None  # it ends with its first token: no decode worker is involved
-        self.placer.started(placement)
-        if one_token:
-            prefill = PrefillRequest(request_id, ids, params, None, None, 0, 0, route=placement.prefill)
-            stream = self.prefill.prefill.remote(prefill)
-            outputs = _last_output(stream)
-        else:
-            request = GenerateRequest(request_id, ids, params, route=placement.decode, prefill_route=placement.prefill)
-            stream = outputs = self.decode.options(stream=True).generate.remote(request)
+        generated: list[int] = []  # output the consumer has received
+        avoid: set[str] = set()  # workers that failed this request
         status, finish_reason = "error", None
         try:
-            async for out in outputs:
-                if out.new_token_ids:
-                    if timer.last is None:
-                        self.placer.first_token(placement)
-                    timer.output()
-                if out.finished:
-                    status, finish_reason = ("ok" if out.finish_reason != "abort" else "aborted"), out.finish_reason
-                yield out
+            for attempt in itertools.count():
+                try:
+                    async for out in self._attempt(ids, params, _attempt_id(request_id, attempt), generated, avoid):
+                        if out.new_token_ids:
+                            timer.output()
+                        if out.finished:
+                            status, finish_reason = ("ok" if out.finish_reason != "abort" else "aborted"), out.finish_reason
+                        generated += out.new_token_ids
+                        yield out
+                    return
+                except Exception as e:
+                    if not can_migrate(e) or attempt >= self.routing.migration_limit:
+                        raise
+                    reason = _migration_reason(e)
+                    self.metrics.migrations.labels(reason).inc()
+                    log.warning("request %s migrates after %d tokens (%s): %s", request_id, len(generated), reason, e)
+                    await asyncio.sleep(MIGRATION_BACKOFF_S * attempt)  # 0 at first: the next replica is live
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
         finally:
-            if finish_reason is None:
+            timer.finish(status, finish_reason)
+
+    async def _attempt(
+        self, ids: list[int], params: SamplingParams, request_id: str, generated: list[int], avoid: set[str]
+    ) -> AsyncIterator[RequestOutput]:
+        """One placement of the request, resuming after `generated`. Raises a worker fault
+        (cluster/errors.py) when a worker fails it, or StalledError when no token comes for
+        stall_timeout_s once it streams; the workers it used are added to `avoid`."""
+        placement = await self.placer.place(ids, avoid=frozenset(avoid))
+        one_token = self.prefill is not None and params.max_tokens - len(generated) == 1
+        if one_token:
+            placement.decode_worker = None  # it ends with its next token: no decode worker is involved
+        self.placer.started(placement)
+        resume = tuple(generated)
+        if one_token:
+            prefill = PrefillRequest(request_id, ids, params, None, None, 0, 0, route=placement.prefill, generated=resume)
+            stream = self.prefill.prefill.remote(prefill)
+            outputs = _last_output(stream)
+        else:
+            request = GenerateRequest(
+                request_id, ids, params, route=placement.decode, prefill_route=placement.prefill, generated=resume
+            )
+            stream = outputs = self.decode.options(stream=True).generate.remote(request)
+        finished = streaming = False
+        try:
+            while not finished:
+                try:
+                    async with asyncio.timeout(self.routing.stall_timeout_s if streaming else None):
+                        out = await anext(outputs)
+                except StopAsyncIteration:
+                    raise EngineDeadError(f"the stream of {request_id} ended before its request finished") from None
+                except TimeoutError:
+                    raise StalledError(f"no token for {self.routing.stall_timeout_s} s") from None
+                if out.new_token_ids and not streaming:
+                    self.placer.first_token(placement)
+                    streaming = True
+                finished = out.finished
+                yield out
+        except Exception:
+            avoid.update(w for w in (placement.decode_worker, placement.prefill_worker) if w)
+            raise
+        finally:
+            if not finished:
                 stream.cancel()  # abandoned or failed: abort on every tier
             self.placer.finished(placement)
-            timer.finish(status, finish_reason)
 
     def live_workers(self) -> dict[str, list[str]]:
         """{tier: worker ids} of the replicas Serve routes to now, as placement sees them."""
@@ -113,6 +166,20 @@ class Router:
                     break
             out[tier] = seen
         return out
+
+
+def _attempt_id(request_id: str, attempt: int) -> str:
+    """Each attempt gets its own id: a worker may still be aborting the previous one."""
+    return request_id if attempt == 0 else f"{request_id}.m{attempt}"
+
+
+def _migration_reason(e: BaseException) -> str:
+    e = getattr(e, "cause", None) or e
+    if isinstance(e, StalledError):
+        return "stalled"
+    if isinstance(e, RayActorError):
+        return "worker_died"
+    return "worker_error"
 
 
 async def _last_output(call) -> AsyncIterator[RequestOutput]:

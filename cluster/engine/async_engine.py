@@ -13,7 +13,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -31,6 +31,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     hold_kv: bool
+    generated: tuple[int, ...]
     sink: _Sink
 
 
@@ -79,6 +80,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         hold_kv: bool = False,
+        generated: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas until the request finishes. Bad input raises before any work."""
         self._check_open()
@@ -86,7 +88,7 @@ class AsyncEngine:
         ids = self.engine.inputs.process(prompt, params)  # in the caller: bad input costs no engine time
         request_id = request_id or f"async-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._post(_Add(request_id, ids, params, hold_kv, sink))
+        self._post(_Add(request_id, ids, params, hold_kv, tuple(generated), sink))
         async for item in self._drain(request_id, sink):
             yield item
 
@@ -101,15 +103,24 @@ class AsyncEngine:
     async def commit_remote(self, request_id: str, kv_received: bool) -> AsyncIterator[RequestOutput]:
         """Join a request reserved with Engine.add_remote_request (its first token already
         accepted) to the batch and stream its decode steps."""
+        async for item in self._join(request_id, lambda e: e.commit_remote(request_id, kv_received)):
+            yield item
+
+    async def compute_here(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """A reserved request whose prefill worker is lost computes its prompt here: stream it."""
+        async for item in self._join(request_id, lambda e: e.compute_here(request_id)):
+            yield item
+
+    async def _join(self, request_id: str, join: Callable[[Engine], bool]) -> AsyncIterator[RequestOutput]:
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
 
-        def commit(engine: Engine) -> None:
-            if not engine.commit_remote(request_id, kv_received):
+        def start(engine: Engine) -> None:
+            if not join(engine):
                 sink.put(EngineDeadError(f"request {request_id} was not waiting for KV"))
                 return
             self._sinks[request_id] = sink
 
-        await self.call(commit)
+        await self.call(start)
         async for item in self._drain(request_id, sink):
             yield item
 
@@ -178,7 +189,7 @@ class AsyncEngine:
                 self._run_call(msg)
             else:
                 try:
-                    self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.hold_kv)
+                    self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.hold_kv, msg.generated)
                     self._sinks[msg.request_id] = msg.sink
                 except Exception as e:
                     msg.sink.put(e)

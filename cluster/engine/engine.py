@@ -124,29 +124,52 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         hold_kv: bool = False,
+        generated: Sequence[int] = (),
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError before any work.
 
         hold_kv: when it finishes, keep its blocks (for sending to a decode worker)
         until `release(request_id)`.
+        generated: output tokens another worker already streamed to the client (a
+        migrated request): it resumes after them, as if it had produced them itself.
         """
-        request = self._new_request(prompt, params, request_id, hold_kv)
+        request = self._new_request(prompt, params, request_id, hold_kv, generated)
         self.scheduler.add_request(request)
         return request.request_id
 
-    def _new_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, hold_kv: bool) -> Request:
+    def _new_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, hold_kv: bool, generated: Sequence[int] = ()
+    ) -> Request:
         params = params or SamplingParams()
         ids = self.inputs.process(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._outputs or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        request = Request(request_id, ids, params, eos_token_ids=frozenset(self.eos_token_ids), hold_kv=hold_kv)
-        self._outputs[request_id] = _OutputState(
+        if len(generated) >= params.max_tokens or any(not 0 <= t < self.loaded.arch.vocab_size for t in generated):
+            raise InvalidRequestError(f"cannot resume after {len(generated)} generated tokens (max_tokens {params.max_tokens})")
+        request = Request(
+            request_id, ids, params, eos_token_ids=frozenset(self.eos_token_ids), hold_kv=hold_kv, output_token_ids=list(generated)
+        )
+        state = _OutputState(
             request,
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             StopChecker(params.stop),
         )
+        self._replay(state, generated)
+        self._outputs[request_id] = state
         return request
+
+    @staticmethod
+    def _replay(state: _OutputState, generated: Sequence[int]) -> None:
+        """Bring a resumed request's detokenizer and stop checker to where the worker that
+        streamed `generated` left them (token by token, as it ran), so that text held back
+        there (a partial stop string, an unfinished character) is neither lost nor repeated."""
+        for token in generated:
+            state.text += state.detokenizer.step([token])
+            outcome = state.stops.process(state.text, state.emitted, False)
+            if outcome.stopped:
+                raise InvalidRequestError("the generated tokens already end the request (a stop string)")
+            state.text, state.emitted = outcome.text, outcome.emitted
 
     # ---- disaggregation: KV computed on another worker ------------------------------
     def block_table(self, request_id: str) -> list[int]:
@@ -158,14 +181,15 @@ class Engine:
         return self.scheduler.release_held(request_id)
 
     def add_remote_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, generated: Sequence[int] = ()
     ) -> tuple[str, list[int], int] | None:
-        """Reserve blocks for a prompt whose KV arrives from a prefill worker.
+        """Reserve blocks for a prompt (and `generated` tokens, see add_request) whose KV
+        arrives from a prefill worker.
 
-        Returns (request id, block ids to receive the uncached part into, prompt tokens
-        already in this engine's prefix cache), or None if the blocks do not fit now.
+        Returns (request id, block ids to receive the uncached part into, tokens already
+        in this engine's prefix cache), or None if the blocks do not fit now.
         """
-        request = self._new_request(prompt, params, request_id, hold_kv=False)
+        request = self._new_request(prompt, params, request_id, hold_kv=False, generated=generated)
         reserved = self.scheduler.add_remote_request(request)
         if reserved is None:
             del self._outputs[request.request_id]
@@ -190,6 +214,11 @@ class Engine:
         the local cached prefix is recomputed here before decoding continues.
         """
         return self.scheduler.commit_remote(request_id, kv_received)
+
+    def compute_here(self, request_id: str) -> bool:
+        """A reserved request whose prefill worker was lost before its first token: it
+        computes its prompt (beyond the local cached prefix) and first token here."""
+        return self.scheduler.compute_here(request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; returns its final (empty) delta."""

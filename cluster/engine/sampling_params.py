@@ -93,10 +93,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def for_first_token(self) -> SamplingParams:
-        """What a prefill worker samples the first token with: one token, under the same
-        bans (min_tokens keeps stop tokens out of it); stop strings are the decode side's."""
-        return dataclasses.replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1), stop=())
+    def for_first_token(self, num_generated: int = 0) -> SamplingParams:
+        """What a prefill worker samples the request's next token with (its first, or the
+        first after `num_generated` already streamed, for a migrated request): one token,
+        under the same bans (min_tokens keeps stop tokens out of it); stop strings are the
+        decode side's."""
+        n = num_generated + 1
+        return dataclasses.replace(self, max_tokens=n, min_tokens=min(self.min_tokens, n), stop=())
 
     def validate(self) -> None:
         for name, limit in LIMITS.items():

@@ -140,7 +140,7 @@ class Scheduler:
         receiving thread writes into them. Ended here, it waits in `held` until released.
         """
         request = self.receiving.get(request_id)
-        if request is None or request.output_token_ids:
+        if request is None or request.hold_kv:  # hold_kv: its first token is in already
             return None
         request.hold_kv = True
         request.output_token_ids.append(first_token_id)
@@ -156,16 +156,29 @@ class Scheduler:
         progress just stays at the cached prefix and the scheduler does the rest.
         """
         request = self.receiving.get(request_id)
-        if request is None or not request.output_token_ids:
+        if request is None or not request.hold_kv:
             return False
-        del self.receiving[request_id]
+        if kv_received:  # the KV of every token but the one just accepted
+            request.num_computed_tokens = request.num_tokens - 1
+        self._join_running(request)
+        return True
+
+    def compute_here(self, request_id: str) -> bool:
+        """The prefill worker of a reserved request is lost before its first token: the
+        request computes its prompt here (from the cached prefix, in the reserved blocks)
+        and samples its first token itself, like any local request."""
+        request = self.receiving.get(request_id)
+        if request is None or request.hold_kv:
+            return False
+        self._join_running(request)
+        return True
+
+    def _join_running(self, request: Request) -> None:
+        del self.receiving[request.request_id]
         request.hold_kv = False
-        if kv_received:
-            request.num_computed_tokens = request.num_prompt_tokens
-            self.kv.cache_computed_blocks(request)
+        self.kv.cache_computed_blocks(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return True
 
     @property
     def num_unfinished(self) -> int:

@@ -45,11 +45,12 @@ class LiveCluster:
         transport: TransportConfig = TransportConfig(timeout_s=10.0),
         prefills: int = 1,
         routing: RoutingConfig = RoutingConfig(),
+        decodes: int = 1,
     ):
         config = ClusterConfig(
             engine=self.engine_config,
             prefill=TierConfig(num_replicas=prefills, num_cpus=0.5),
-            decode=TierConfig(num_cpus=0.5),
+            decode=TierConfig(num_replicas=decodes, num_cpus=0.5),
             router=TierConfig(num_replicas=gateways, num_cpus=0.1),
             transport=transport,
             redis_url=redis_url or self.redis.url,

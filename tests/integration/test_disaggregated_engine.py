@@ -28,9 +28,10 @@ def copy_blocks(src: Engine, src_ids, dst: Engine, dst_ids):
         dv[dst_ids] = sv[src_ids]
 
 
-def prefill(engine: Engine, prompt, params) -> tuple[str, int]:
-    """Run the prompt for its first token, keeping its blocks: (request id, first token)."""
-    rid = engine.add_request(prompt, params.for_first_token(), hold_kv=True)
+def prefill(engine: Engine, prompt, params, generated=()) -> tuple[str, int]:
+    """Run the prompt (and the tokens already generated) for its next token, keeping its
+    blocks: (request id, that token)."""
+    rid = engine.add_request(prompt, params.for_first_token(len(generated)), hold_kv=True, generated=generated)
     token = None
     while token is None:
         for out in engine.step():
@@ -39,9 +40,9 @@ def prefill(engine: Engine, prompt, params) -> tuple[str, int]:
     return rid, token
 
 
-def disaggregated(p_engine: Engine, d_engine: Engine, prompt, params, kv_received=True):
-    rid, first = prefill(p_engine, prompt, params)
-    reserved = d_engine.add_remote_request(prompt, params)
+def disaggregated(p_engine: Engine, d_engine: Engine, prompt, params, kv_received=True, generated=()):
+    rid, first = prefill(p_engine, prompt, params, generated)
+    reserved = d_engine.add_remote_request(prompt, params, generated=generated)
     assert reserved is not None
     drid, dst_ids, num_cached = reserved
     # The first token streams before the KV arrives; the request then waits for it.
@@ -147,3 +148,40 @@ def test_the_prefills_first_token_respects_min_tokens(tiny_llama):
     assert expected[0] != first_greedy  # banned there ...
     tokens, _, _ = disaggregated(make_engine(tiny_llama), make_engine(tiny_llama), PROMPTS[2], params)
     assert tokens == expected  # ... and here
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True, frequency_penalty=0.5),
+])
+def test_a_migrated_request_resumes_with_the_same_tokens(tiny_models, params):
+    """A request re-issued after k streamed tokens (its decode worker died) goes through
+    prefill and decode again and continues with exactly the tokens the undisturbed run
+    produced (seeded sampling and output penalties included)."""
+    model = tiny_models["qwen3"]
+    want = make_engine(model).generate([PROMPTS[1]], params)[0].token_ids
+    p_engine, d_engine = make_engine(model), make_engine(model)
+    for k in (1, 4, len(want) - 1):
+        tokens, _, _ = disaggregated(p_engine, d_engine, PROMPTS[1], params, generated=tuple(want[:k]))
+        assert tokens == want[k:]
+    for e in (p_engine, d_engine):
+        e.check_integrity()
+        assert e.pool.num_used_blocks == 0
+
+
+def test_a_lost_prefill_is_computed_on_the_decode_engine(tiny_llama):
+    """The prefill worker died before its reply: the reserved request computes its prompt
+    and first token locally, in the blocks it reserved, to the same tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = make_engine(tiny_llama).generate([PROMPTS[2]], params)[0].token_ids
+    d_engine = make_engine(tiny_llama)
+    rid, _, _ = d_engine.add_remote_request(PROMPTS[2], params)
+    assert not d_engine.commit_remote(rid, True)  # no first token accepted: not a commit
+    assert d_engine.compute_here(rid)
+    tokens = []
+    while d_engine.has_unfinished:
+        for out in d_engine.step():
+            tokens += out.new_token_ids
+    assert tokens == want
+    d_engine.check_integrity()
+    assert d_engine.pool.num_used_blocks == 0

@@ -1,0 +1,103 @@
+"""Worker faults that clients never see: real SIGKILLs of replica processes while the
+`openai` SDK streams from them. Every stream ends with the text an undisturbed run
+gives (greedy: no repeated or missing token), the faults are counted, and every block
+on the surviving workers returns."""
+
+import os
+import re
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from cluster.config import TransportConfig
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+from tests.e2e.conftest import API_KEY, MODEL_NAME
+from tests.helpers import all_blocks_returned, wait_until
+
+MAX_TOKENS = 160
+
+
+@pytest.fixture
+def client(live):
+    with openai.OpenAI(base_url=live.http_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(engine_config):
+    """Undisturbed greedy texts from a local engine (so no worker caches these prompts
+    before they are killed under them)."""
+    engine = Engine(engine_config)
+    return lambda prompts: [c.text for c in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+
+
+class Streams:
+    """Greedy streams in client threads; `progress[i]` counts the chunks stream i has received."""
+
+    def __init__(self, client, prompts):
+        self.progress = [0] * len(prompts)
+        self._pool = ThreadPoolExecutor(len(prompts))
+        self._futures = [self._pool.submit(self._stream, client, i, p) for i, p in enumerate(prompts)]
+
+    def _stream(self, client, i, prompt) -> str:
+        text = ""
+        for chunk in client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True
+        ):
+            text += chunk.choices[0].text
+            self.progress[i] += 1
+        return text
+
+    def texts(self) -> list[str]:
+        try:
+            return [f.result(timeout=180) for f in self._futures]
+        finally:
+            self._pool.shutdown()
+
+
+def worker_stats(live, tier: str) -> list[dict]:
+    return list(live.handle.worker_stats.remote().result()[tier].values())
+
+
+def counter(live, name: str) -> float:
+    text = httpx.get(live.http_url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_streams_go_on_when_their_decode_replica_is_killed(live, client, reference):
+    live.redeploy(decodes=2)
+    prompts = [f"Request {i}: tell me about the fox number {i} and its friends" for i in range(8)]
+    expected = reference(prompts)
+    before = counter(live, "pdserve_request_migrations_total")
+
+    streams = Streams(client, prompts)
+    assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
+    victim = max(worker_stats(live, "decode"), key=lambda s: s["running"])
+    assert victim["running"] > 0
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    assert streams.texts() == expected  # every stream whole: none broken, no token twice or missing
+    assert counter(live, "pdserve_request_migrations_total") - before >= 1
+    assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
+
+
+@pytest.mark.parametrize(("policy", "prefills"), [("recompute", 1), ("retry", 2)])
+def test_prompts_survive_their_prefill_replica_being_killed(live, client, reference, policy, prefills):
+    """A prefill replica dies while it computes long prompts: the decode worker computes
+    them itself (recompute, the default) or asks the other prefill replica (retry)."""
+    live.redeploy(decodes=1, prefills=prefills, transport=TransportConfig(timeout_s=10.0, failure_policy=policy))
+    prompts = [f"Long prompt {i}: " + "the fox runs over the hill and back again " * 14 for i in range(6)]
+    expected = reference(prompts)
+    streams = Streams(client, prompts)
+    busy = []
+    assert wait_until(lambda: busy.extend(s for s in worker_stats(live, "prefill") if s["running"] + s["waiting"]) or busy, 60, 0.05)
+    os.kill(busy[0]["pid"], signal.SIGKILL)
+
+    assert streams.texts() == expected
+    decode = worker_stats(live, "decode")
+    assert sum(s["prefill_faults"] + s["recomputed"] for s in decode) >= 1
+    assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
