@@ -30,7 +30,13 @@ def tier_options(tier: TierConfig) -> dict:
     if tier.resources:
         actor_options["resources"] = dict(tier.resources)
     scaling = {"autoscaling_config": tier.autoscaling} if tier.autoscaling else {"num_replicas": tier.num_replicas}
-    return {"ray_actor_options": actor_options, "max_ongoing_requests": tier.max_ongoing_requests, **scaling}
+    return {
+        "ray_actor_options": actor_options,
+        "max_ongoing_requests": tier.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": tier.drain_timeout_s,  # Serve waits this long for running requests
+        "graceful_shutdown_wait_loop_s": 0.5,
+        **scaling,
+    }
 
 
 # The proxies' gRPC services: ours and the standard health service, both routed to the Gateway.

@@ -114,10 +114,16 @@ class TierConfig:
     # inside their engine and the gateway admits on its own limits, so this is only a
     # ceiling; too low a value would silently cap the decode batch.
     max_ongoing_requests: int = 1024
+    # A replica being stopped (scale-down, redeploy, shutdown) takes no new request and
+    # has this long to finish what it runs; then it stops, and the router migrates what
+    # is left to the remaining replicas (RoutingConfig.migration_limit).
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 0 or self.torch_threads < 1 or self.max_ongoing_requests < 1:
             raise ValueError("num_replicas must be >= 0, torch_threads and max_ongoing_requests >= 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ SERVE_FLAGS = (
     Flag("--kv-failure-policy", ("transport.failure_policy",), "a failed prefill worker or KV transfer: retry on another "
          "prefill replica, recompute on the decode worker, or fail the request", FAILURE_POLICIES),
     Flag("--kv-transfer-timeout-s", ("transport.timeout_s",), "bound on each KV transfer wait (rendezvous, send, receive)"),
+    Flag("--drain-timeout-s", ("prefill.drain_timeout_s", "decode.drain_timeout_s", "router.drain_timeout_s"),
+         "a replica being stopped finishes its requests within this, then hands the rest to other replicas"),
     Flag("--api-key-file", ("gateway.api_key_file",), "file of API keys, one per line"),
     Flag("--max-running-requests", ("gateway.max_running_requests",), "requests streaming at once, per gateway replica"),
     Flag("--max-queued-requests", ("gateway.max_queued_requests",), "requests waiting for a slot, per gateway replica; beyond: 503"),

@@ -46,11 +46,12 @@ class LiveCluster:
         prefills: int = 1,
         routing: RoutingConfig = RoutingConfig(),
         decodes: int = 1,
+        drain_timeout_s: float = 30.0,
     ):
         config = ClusterConfig(
             engine=self.engine_config,
             prefill=TierConfig(num_replicas=prefills, num_cpus=0.5),
-            decode=TierConfig(num_replicas=decodes, num_cpus=0.5),
+            decode=TierConfig(num_replicas=decodes, num_cpus=0.5, drain_timeout_s=drain_timeout_s),
             router=TierConfig(num_replicas=gateways, num_cpus=0.1),
             transport=transport,
             redis_url=redis_url or self.redis.url,

@@ -32,21 +32,21 @@ def reference(engine_config):
     """Undisturbed greedy texts from a local engine (so no worker caches these prompts
     before they are killed under them)."""
     engine = Engine(engine_config)
-    return lambda prompts: [c.text for c in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+    return lambda prompts, n=MAX_TOKENS: [c.text for c in engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))]
 
 
 class Streams:
     """Greedy streams in client threads; `progress[i]` counts the chunks stream i has received."""
 
-    def __init__(self, client, prompts):
+    def __init__(self, client, prompts, max_tokens=MAX_TOKENS):
         self.progress = [0] * len(prompts)
         self._pool = ThreadPoolExecutor(len(prompts))
-        self._futures = [self._pool.submit(self._stream, client, i, p) for i, p in enumerate(prompts)]
+        self._futures = [self._pool.submit(self._stream, client, i, p, max_tokens) for i, p in enumerate(prompts)]
 
-    def _stream(self, client, i, prompt) -> str:
+    def _stream(self, client, i, prompt, max_tokens) -> str:
         text = ""
         for chunk in client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
         ):
             text += chunk.choices[0].text
             self.progress[i] += 1
@@ -100,4 +100,20 @@ def test_prompts_survive_their_prefill_replica_being_killed(live, client, refere
     assert streams.texts() == expected
     decode = worker_stats(live, "decode")
     assert sum(s["prefill_faults"] + s["recomputed"] for s in decode) >= 1
+    assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
+
+
+def test_streams_on_a_replica_removed_by_scale_down_finish_elsewhere(live, client, reference):
+    """Scale-down with no drain time: the removed replica's streams are handed to the
+    one that stays (a longer drain_timeout_s lets them finish where they are)."""
+    live.redeploy(decodes=2, drain_timeout_s=0.0)
+    prompts = [f"Scale-down {i}: the fox and its {i} friends went" for i in range(8)]
+    expected = reference(prompts, 400)
+    before = counter(live, "pdserve_request_migrations_total")
+    streams = Streams(client, prompts, 400)
+    assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
+    live.redeploy(decodes=1, drain_timeout_s=0.0)
+
+    assert streams.texts() == expected
+    assert counter(live, "pdserve_request_migrations_total") - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
