@@ -18,7 +18,8 @@
 
 Candidates are the replicas Serve routes to now (cluster/routing.py: live_replicas), not
 only those the index lists: a replica that has just started counts at once, with an
-empty cache and no load, and one that Serve is removing takes no new work.
+empty cache and no load, and one that Serve is removing takes no new work (and its index
+entries are dropped as soon as this gateway sees it go).
 
 A worker's load is its requests queued and running, and its queued prompt tokens: the
 index's figures (every gateway's work, as of the worker's last publish) or this gateway's
@@ -37,6 +38,7 @@ full blocks but one token, as KVCacheManager.cached_prefix counts them).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import Counter
@@ -114,6 +116,8 @@ class Placer:
         if routing.policy == "kv_aware" and redis_url:
             self.index = PrefixIndex(redis_url, self.model_id, self.block_size, timeout_s=routing.index_timeout_s)
         self.in_flight = InFlight()
+        self._last_live: dict[str, frozenset[str]] = {}  # tier -> replicas Serve routed to at the last placement
+        self._forgetting: set[asyncio.Task] = set()
 
     def block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
         reusable = num_reusable_blocks(len(prompt_ids), self.block_size) * self.block_size
@@ -173,6 +177,8 @@ class Placer:
         one for a replica the index does not list yet) and this gateway's own load on it."""
         indexed = {v.replica: v for v in views if v.tier == tier}
         live = self.live(TIER_DEPLOYMENTS[tier])
+        if live is not None:
+            self._forget_removed(tier, live)
         replicas = live if live is not None else frozenset(indexed)
         if any(worker_id(tier, r) not in avoid for r in replicas):
             replicas = [r for r in replicas if worker_id(tier, r) not in avoid]
@@ -190,6 +196,24 @@ class Placer:
                 kv_usage=v.kv_usage,
             ))
         return out
+
+    def _forget_removed(self, tier: str, live: frozenset[str]) -> None:
+        """Replicas Serve routed to before and no longer does (dead or stopped) leave the
+        index now. Only those: a replica not seen yet may be new, not gone."""
+        removed = self._last_live.get(tier, frozenset()) - live
+        self._last_live[tier] = live
+        if self.index is None or not removed:
+            return
+        for replica in removed:
+            task = asyncio.get_running_loop().create_task(self._forget(worker_id(tier, replica)))
+            self._forgetting.add(task)
+            task.add_done_callback(self._forgetting.discard)
+
+    async def _forget(self, wid: str) -> None:
+        try:
+            await self.index.forget(wid)
+        except Exception:  # noqa: BLE001 - Redis down: its entries expire anyway
+            pass
 
     def _kv_aware(self, n: int, num_hashes: int, affinity: bytes, tiers: dict[str, list[Candidate]]) -> Placement:
         order = {c.worker_id: rank for rank, c in _by_rendezvous(affinity, [c for cs in tiers.values() for c in cs])}

@@ -9,7 +9,8 @@ Workers (both tiers) publish their prefix caches; gateways look prompts up in it
 
 Both keys of a worker expire TTL_S after its last heartbeat (every HEARTBEAT_S), so a dead
 worker stops counting once its hash expires and its set goes with it; a worker that stops
-cleanly deletes them at once. A restarted worker has a new generation: lookups read only
+cleanly deletes them at once, and so does a gateway that sees Serve drop its replica
+(`PrefixIndex.forget`). A restarted worker has a new generation: lookups read only
 the set of the generation its hash names, so the old generation's entries stop counting
 the moment the new one announces itself, and expire unread.
 
@@ -108,6 +109,15 @@ return 0
 
 # ARGV: model_id, block_size, hash*. Returns per live worker with that model and block
 # size: {id, tier, replica, hit blocks, queued_tokens, running, kv_usage, waiting}.
+# A worker out of the index, whichever generation it published. ARGV: worker id.
+FORGET = """
+local key = '""" + PREFIX + """worker:' .. ARGV[1]
+local gen = redis.call('HGET', key, 'generation')
+if gen then redis.call('DEL', '""" + PREFIX + """blocks:' .. ARGV[1] .. ':' .. gen) end
+redis.call('DEL', key)
+return redis.call('SREM', '""" + WORKERS + """', ARGV[1])
+"""
+
 LOOKUP = """
 local out = {}
 local n = #ARGV - 2
@@ -301,6 +311,7 @@ class PrefixIndex:
         self.timeout_s = timeout_s
         self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._lookup = self._redis.register_script(LOOKUP)
+        self._forget = self._redis.register_script(FORGET)
 
     async def lookup(self, block_hashes: list[BlockHash]) -> list[WorkerView]:
         """Every live worker with its cached prefix of `block_hashes` and its load.
@@ -315,6 +326,10 @@ class PrefixIndex:
             )
             for row in rows
         ]
+
+    async def forget(self, worker_id: str) -> None:
+        """Drop a worker known to be gone (Serve removed its replica) now, not at TTL."""
+        await self._forget(args=[worker_id])
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -108,3 +108,18 @@ def test_without_serve_s_replica_set_placement_defers_to_serve(redis_url):
     p = Placer(CONFIG, RoutingConfig(policy="prefix_hash"), None, False, GatewayMetrics("t"), live=lambda d: None)
     (pl,) = place(p)
     assert pl.decode.replica is None and pl.decode.affinity_key is not None  # Serve's request router hashes it
+
+
+def test_a_replica_serve_drops_leaves_the_index_at_once(redis_url):
+    publish(redis_url, ("prefill", "p1", {"cached": HASHES}), ("prefill", "p2", {}), ("decode", "d1", {}))
+    live = {"prefill": {"p1", "p2"}, "decode": {"d1"}}
+    p, _ = placer(redis_url, live)
+
+    async def go():
+        await p.place(PROMPT)
+        live["prefill"].discard("p1")  # Serve dropped p1 (it died): no TTL wait
+        await p.place(PROMPT)
+        await asyncio.gather(*p._forgetting)
+        return {v.worker_id for v in await p.index.lookup(HASHES)}
+
+    assert asyncio.run(go()) == {"prefill-p2", "decode-d1"}  # without forget, p1 would count for TTL_S more
