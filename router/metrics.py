@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
+
+from cluster.engine.step_times import BUCKETS_S, KINDS
 
 disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
 
@@ -142,6 +144,10 @@ class _WorkerCollector:
         transfer_failures = CounterMetricFamily(
             "pdserve_kv_transfer_failures", "KV transfers that failed (then recomputed or failed per policy).", labels=["tier"]
         )
+        steps = HistogramMetricFamily(
+            "pdserve_engine_step_seconds", "Engine step durations per tier, by kind: decode-only, prompt-only, mixed.",
+            labels=["tier", "kind"],
+        )
         received = seconds = transfers = 0.0
         for tier, workers in self.stats.items():
             running.add_metric([tier], sum(s["running"] for s in workers.values()))
@@ -158,6 +164,12 @@ class _WorkerCollector:
                     seconds += t.get("seconds_receiving", 0.0)
                     transfers += t.get("transfers_ok", 0)
             transfer_failures.add_metric([tier], failed)
+            for kind in KINDS:
+                hists = [s["step_seconds"][kind] for s in workers.values() if "step_seconds" in s]
+                if hists:
+                    counts = [sum(col) for col in zip(*(h["buckets"] for h in hists))]
+                    bounds = [*(str(b) for b in BUCKETS_S), "+Inf"]
+                    steps.add_metric([tier, kind], list(zip(bounds, counts)), sum_value=sum(h["sum"] for h in hists))
         transfer_bytes.add_metric([], received)
         transfer_seconds.add_metric([], count_value=transfers, sum_value=seconds)
-        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures)
+        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures, steps)

@@ -1,5 +1,6 @@
 """Small helpers the integration and e2e tests share."""
 
+import re
 import time
 
 from cluster.kv.block_pool import BlockPool
@@ -15,6 +16,16 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.2) -> b
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def all_blocks_returned(handle) -> bool:

@@ -27,6 +27,7 @@ from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
+from cluster.engine.step_times import StepTimes
 from cluster.errors import InvalidRequestError
 from cluster.kv.block_pool import BlockPool
 from cluster.model.loader import load_model, open_checkpoint
@@ -100,6 +101,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         s = config.scheduler
         self.step_budget = StepBudget(s.max_num_batched_tokens, s.max_step_slowdown, floor=MIN_PROMPT_CHUNK)
+        self.step_times = StepTimes()
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device)
         self.sampler = Sampler()
         self._outputs: dict[str, _OutputState] = {}
@@ -251,7 +253,9 @@ class Engine:
         rows = [self._sample_input(rid) for rid in request_ids]
         sampled = dict(zip(request_ids, self.sampler(logits, rows)))
         num_decode = sum(1 for c in sched.chunks if len(c.token_ids) == 1 and c.sample)
-        self.step_budget.observe(num_decode, sched.total_tokens - num_decode, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.step_budget.observe(num_decode, sched.total_tokens - num_decode, seconds)
+        self.step_times.observe(num_decode, sched.total_tokens - num_decode, seconds)
         updates = self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
         return [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
 
@@ -343,6 +347,7 @@ class Engine:
             "finished": dict(self.finish_counts),
             "prefix_query_tokens": s.prefix_query_tokens,
             "prefix_hit_tokens": s.prefix_hit_tokens,
+            "step_seconds": self.step_times.snapshot(),
         }
 
     # ---- batch API ---------------------------------------------------------------------

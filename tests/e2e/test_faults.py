@@ -4,7 +4,6 @@ gives (greedy: no repeated or missing token), the faults are counted, and every 
 on the surviving workers returns."""
 
 import os
-import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,7 @@ from cluster.config import TransportConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import API_KEY, MODEL_NAME
-from tests.helpers import all_blocks_returned, wait_until
+from tests.helpers import all_blocks_returned, metric, wait_until
 
 MAX_TOKENS = 160
 
@@ -64,8 +63,7 @@ def worker_stats(live, tier: str) -> list[dict]:
 
 
 def counter(live, name: str) -> float:
-    text = httpx.get(live.http_url + "/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return metric(httpx.get(live.http_url + "/metrics", timeout=30).text, name)
 
 
 def test_streams_go_on_when_their_decode_replica_is_killed(live, client, reference):

@@ -11,23 +11,13 @@ import redis
 from cluster.config import GatewayConfig, TransportConfig
 from cluster.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY, MODEL_NAME
-from tests.helpers import wait_until
+from tests.helpers import metric, wait_until
 
 PUBLIC = {"/health", "/metrics"}
 
 
 def completion(max_tokens=4, **kw):
     return {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
-
-
-def metric(text: str, name: str, **labels) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def test_every_route_refuses_a_missing_or_wrong_key(live, auth):
@@ -76,6 +66,9 @@ def test_health_ready_and_metrics(live, auth):
     assert metric(text, "pdserve_inter_token_latency_seconds_count") >= 3 * 5
     assert metric(text, "pdserve_e2e_request_latency_seconds_count") >= 4
     assert metric(text, "pdserve_kv_transfer_bytes_total") > 0 and metric(text, "pdserve_kv_transfer_seconds_count") >= 4
+    # Prefill ran prompt-only steps, decode ran decode-only ones (>= 4 per request after its first token).
+    assert metric(text, "pdserve_engine_step_seconds_count", tier="prefill", kind="prompt") >= 4
+    assert metric(text, "pdserve_engine_step_seconds_count", tier="decode", kind="decode") >= 4
     for tier in ("prefill", "decode"):
         assert re.search(rf'pdserve_kv_cache_usage_ratio\{{replica="{tier}-\w+",tier="{tier}"\}} 0', text)
         assert re.search(rf'pdserve_requests_running\{{tier="{tier}"\}} 0', text)
