@@ -90,6 +90,7 @@ class TransportConfig:
     # ends with an error), and when a transfer fails or times out (retry and recompute:
     # decode recomputes the prompt; fail: the request ends with an error).
     failure_policy: str = "recompute"
+    shared_memory: bool = True  # between workers on one node, payloads skip the sockets (CPU caches)
     fail_transfer_ids: tuple[int, ...] = ()  # fault injection (tests): these transfers fail
     fail_every_nth: int = 0  # fault injection (tests): every nth transfer fails
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import ray.util
+
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
@@ -41,6 +43,10 @@ class EngineWorker:
                 self.worker_id,
                 engine_config.device,
                 timeout_s=transport.timeout_s,
+                # The node's address, which peers on other nodes reach (and which tells a
+                # peer on this node that shared memory will do).
+                host=ray.util.get_node_ip_address(),
+                shared_memory=transport.shared_memory,
                 fault_injection=FaultInjection(frozenset(transport.fail_transfer_ids), transport.fail_every_nth),
             )
         self._closed = False

@@ -19,6 +19,13 @@ the rest of the code is the same.
       packed [L, 2, n, bs, Hk, D] ---------------tag 2t+1-->  into a fresh buffer, then
                                                              unpack_blocks(caches, dst_ids)
 
+On one host (the decode's store host is the sender's own) with the cache on CPU, the
+payload skips the sockets: the sender packs straight into a shared-memory file, sends a
+header with the shared-memory magic, and waits for the receiver's one-word ack, which
+comes after the receiver has unpacked the file into its cache (one copy on each side,
+no kernel socket copies). The sender unlinks the file whatever happens; files of dead
+senders are swept when a transport starts.
+
 Invariants and failure handling:
 - Tags come from the transfer id, so the transfers of one pair may be posted in any
   order and run concurrently: a send meets the receive of the same id. Transfer ids
@@ -39,6 +46,7 @@ Invariants and failure handling:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -59,6 +67,9 @@ Role = Literal["prefill", "decode"]
 PREFILL_RANK, DECODE_RANK = 0, 1
 _MAGIC = 0x4B565846  # "KVXF"
 _FAILED_MAGIC = 0x4B564641  # "KVFA": the sender could not send this transfer
+_SHM_MAGIC = 0x4B56534D  # "KVSM": the payload waits in a shared-memory file
+SHM_DIR = "/dev/shm"
+_SHM_PREFIX = "pdserve-kv-"
 
 
 def _tags(transfer_id: int) -> tuple[int, int]:
@@ -137,11 +148,12 @@ def _block_index(block_ids: Sequence[int], num_blocks: int, device: torch.device
     return torch.tensor(ids, dtype=torch.long, device=device)  # [n]
 
 
-def pack_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> torch.Tensor:
-    """Copy the given blocks of every layer into one contiguous [L, 2, n, bs, Hk, D] tensor."""
+def pack_blocks(kv_caches: KVCaches, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the given blocks of every layer into one contiguous [L, 2, n, bs, Hk, D] tensor
+    (`out`, when given: e.g. a shared-memory file's)."""
     geometry = cache_geometry(kv_caches)
     idx = _block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # [n]
-    packed = torch.empty(geometry.packed_shape(len(idx)), dtype=geometry.dtype, device=geometry.device)
+    packed = out if out is not None else torch.empty(geometry.packed_shape(len(idx)), dtype=geometry.dtype, device=geometry.device)
     for layer, (k, v) in enumerate(kv_caches):  # k, v: [num_blocks, bs, Hk, D]
         torch.index_select(k, 0, idx, out=packed[layer, 0])  # packed[layer, 0]: [n, bs, Hk, D]
         torch.index_select(v, 0, idx, out=packed[layer, 1])
@@ -179,6 +191,56 @@ def _header(transfer_id: int, n: int, geometry: CacheGeometry, magic: int = _MAG
 def _header_mismatch(expected: torch.Tensor, got: torch.Tensor) -> str:
     pairs = zip(_HEADER_FIELDS, expected.tolist(), got.tolist())
     return ", ".join(f"{name} {g} (expected {e})" for name, e, g in pairs if e != g)
+
+
+# ---- shared memory (both sides on one host) --------------------------------------------
+
+
+def _shm_path(sender_id: str, session: str, transfer_id: int) -> str:
+    return os.path.join(SHM_DIR, f"{_SHM_PREFIX}{sender_id}-{session}-{transfer_id}")
+
+
+def _shm_tensor(path: str, geometry: CacheGeometry, n: int, create: bool) -> torch.Tensor:
+    """A packed [L, 2, n, bs, Hk, D] tensor mapped on a shared-memory file (made when
+    `create`: its pages reserved first, so a full /dev/shm is an OSError here, never a
+    SIGBUS on a later write)."""
+    nbytes = geometry.packed_nbytes(n)
+    if create:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            _unlink(path)
+            raise
+        finally:
+            os.close(fd)
+    elif os.path.getsize(path) != nbytes:
+        raise KVTransferError(f"shared-memory payload {path} has {os.path.getsize(path)} bytes, expected {nbytes}")
+    flat = torch.from_file(path, shared=True, size=nbytes // geometry.dtype.itemsize, dtype=geometry.dtype)
+    return flat.view(geometry.packed_shape(n))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _sweep_shm(max_age_s: float) -> None:
+    """Remove payload files older than any transfer can be (left by senders that died)."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(_SHM_PREFIX)]
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if now - os.stat(path).st_mtime > max_age_s:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 # ---- process groups -----------------------------------------------------------------
@@ -233,6 +295,7 @@ class _Counters:
     seconds_receiving: float = 0.0
     groups_created: int = 0
     send_attempts: int = 0
+    transfers_shared_memory: int = 0  # of transfers_ok, those whose payload went through shared memory
 
 
 class KVTransport:
@@ -240,6 +303,8 @@ class KVTransport:
 
     host: this worker's reachable address; the decode side's store and every gloo
     connection listen on it.
+    shared_memory: a CPU payload to a decode worker on this host goes through a
+    shared-memory file rather than the group's sockets.
     """
 
     def __init__(
@@ -251,6 +316,7 @@ class KVTransport:
         host: str = "127.0.0.1",
         fault_injection: FaultInjection | None = None,
         idle_timeout_s: float = 600.0,
+        shared_memory: bool = True,
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -264,6 +330,9 @@ class KVTransport:
             raise ValueError("idle_timeout_s must exceed timeout_s (a transfer in flight is never idle)")
         self.idle_timeout_s = float(idle_timeout_s)
         self.host = host
+        self.shared_memory = shared_memory and self.device.type == "cpu" and os.path.isdir(SHM_DIR)
+        if self.shared_memory and role == "prefill":
+            _sweep_shm(self.idle_timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
         self._faults = fault_injection or FaultInjection()
         self._rank = PREFILL_RANK if role == "prefill" else DECODE_RANK
@@ -345,26 +414,33 @@ class KVTransport:
         the peer has them all. KVTransferError on failure or timeout."""
         self._require_role("prefill", "send_blocks")
         start = time.perf_counter()
-        packed = pack_blocks(kv_caches, block_ids)  # packed: [L, 2, n, bs, Hk, D]; ValueError on bad ids
-        header = _header(transfer_id, len(block_ids), cache_geometry(kv_caches))  # [8]
+        geometry = cache_geometry(kv_caches)
+        _block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # ValueError before any I/O
         pair = self._pair_for_transfer(peer_id, transfer_id)
-        pg, failure = None, None
+        pg, failure, shared = None, None, False
         try:
             pg = self._live_group(pair)
             if self._fault_selected(transfer_id):
                 # Tell the receiver at once instead of letting it wait out its timeout.
-                notice = _header(transfer_id, len(block_ids), cache_geometry(kv_caches), _FAILED_MAGIC)
+                notice = _header(transfer_id, len(block_ids), geometry, _FAILED_MAGIC)
                 self._wait(pg.send([notice], DECODE_RANK, _tags(transfer_id)[0]), "failure notice send")
                 self._count(transfers_failed=1)
                 failure = KVTransferError(f"{self.worker_id}: injected fault: transfer {transfer_id} with {peer_id!r} not sent")
             else:
-                self._send_once(pg, header, packed, transfer_id)
+                shared = self._on_this_host(pair) and len(block_ids) > 0
+                shared = shared and self._send_shared(pg, pair, kv_caches, block_ids, geometry, transfer_id)
+                if not shared:
+                    header = _header(transfer_id, len(block_ids), geometry)  # [8]
+                    self._send_once(pg, header, pack_blocks(kv_caches, block_ids), transfer_id)
         except Exception as e:
             failure = self._failed(pair, pg, transfer_id, "send", e)
         pg = None  # the last reference to a dropped group goes: gloo closes its sockets now
         if failure is not None:
             raise failure  # outside `except`: see _failed
-        self._count(transfers_ok=1, bytes_sent=packed.nbytes, seconds_sending=time.perf_counter() - start)
+        self._count(
+            transfers_ok=1, transfers_shared_memory=int(shared), bytes_sent=geometry.packed_nbytes(len(block_ids)),
+            seconds_sending=time.perf_counter() - start,
+        )
 
     def recv_blocks(self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> None:
         """Receive transfer `transfer_id` from prefill worker `peer_id` into blocks
@@ -375,12 +451,11 @@ class KVTransport:
         geometry = cache_geometry(kv_caches)
         _block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # ValueError before any I/O
         expected = _header(transfer_id, len(block_ids), geometry)  # [8]
-        packed = torch.empty(geometry.packed_shape(len(block_ids)), dtype=geometry.dtype, device=geometry.device)
         pair = self._pair_for_transfer(peer_id, transfer_id)
-        pg, failure = None, None
+        pg, failure, shared = None, None, False
         try:
             pg = self._live_group(pair)
-            self._recv_once(pg, expected, packed, transfer_id)
+            shared = self._recv_once(pg, pair, expected, kv_caches, block_ids, transfer_id)
         except _SenderFailed as e:  # the group is fine; only this transfer failed
             self._count(transfers_failed=1)
             failure = KVTransferError(f"{self.worker_id}: transfer {transfer_id} from {peer_id!r} failed at the sender: {e}")
@@ -389,8 +464,10 @@ class KVTransport:
         pg = None  # the last reference to a dropped group goes: gloo closes its sockets now
         if failure is not None:
             raise failure  # outside `except`: see _failed
-        unpack_blocks(kv_caches, block_ids, packed)
-        self._count(transfers_ok=1, bytes_received=packed.nbytes, seconds_receiving=time.perf_counter() - start)
+        self._count(
+            transfers_ok=1, transfers_shared_memory=int(shared), bytes_received=geometry.packed_nbytes(len(block_ids)),
+            seconds_receiving=time.perf_counter() - start,
+        )
 
     # ---- stats ----------------------------------------------------------------------
 
@@ -408,6 +485,7 @@ class KVTransport:
                 "seconds_receiving": c.seconds_receiving,
                 "groups": sum(p.pg is not None for p in self._pairs.values()),
                 "groups_created": c.groups_created,
+                "transfers_shared_memory": c.transfers_shared_memory,
             }
 
     # ---- internals ------------------------------------------------------------------
@@ -476,17 +554,60 @@ class KVTransport:
         if packed.numel():
             self._wait(pg.send([packed], DECODE_RANK, payload_tag), "payload send")
 
-    def _recv_once(self, pg, expected: torch.Tensor, packed: torch.Tensor, transfer_id: int) -> None:
-        """Receive header and payload (into `packed`); the header must equal `expected`."""
+    def _recv_once(self, pg, pair: _Pair, expected: torch.Tensor, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> bool:
+        """Receive header and payload and write the blocks, once all of it is here; the
+        header must equal `expected` (but for the path's magic). True: it came through
+        shared memory."""
         header_tag, payload_tag = _tags(transfer_id)
         header = torch.empty_like(expected)  # [8]
         self._wait(pg.recv([header], PREFILL_RANK, header_tag), "header recv")
-        if int(header[0]) == _FAILED_MAGIC:
+        magic = int(header[0])
+        if magic == _FAILED_MAGIC:
             raise _SenderFailed("the sender reported it could not send")
+        header[0] = _MAGIC if magic == _SHM_MAGIC else magic
         if not torch.equal(header, expected):
             raise KVTransferError(f"unexpected transfer header: {_header_mismatch(expected, header)}")
+        geometry, n = cache_geometry(kv_caches), len(block_ids)
+        if magic == _SHM_MAGIC:
+            done = torch.zeros(1, dtype=torch.int64)
+            try:
+                unpack_blocks(kv_caches, block_ids, _shm_tensor(_shm_path(pair.peer_id, pair.session, transfer_id), geometry, n, False))
+                done[0] = 1
+            finally:  # the sender waits for this word, then removes the file
+                self._wait(pg.send([done], PREFILL_RANK, payload_tag), "shared-memory ack send")
+            return True
+        packed = torch.empty(geometry.packed_shape(n), dtype=geometry.dtype, device=geometry.device)
         if packed.numel():
             self._wait(pg.recv([packed], PREFILL_RANK, payload_tag), "payload recv")
+        unpack_blocks(kv_caches, block_ids, packed)
+        return False
+
+    def _on_this_host(self, pair: _Pair) -> bool:
+        return self.shared_memory and pair.store_address[0] == self.host
+
+    def _send_shared(self, pg, pair: _Pair, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry,
+                     transfer_id: int) -> bool:
+        """Pack into a shared-memory file, announce it, wait for the receiver's ack. False
+        (nothing sent) when no file can be made: the caller sends over the sockets."""
+        path = _shm_path(self.worker_id, pair.session, transfer_id)
+        try:
+            buffer = _shm_tensor(path, geometry, len(block_ids), create=True)
+        except OSError as e:
+            log.warning("%s: no shared memory for KV transfers (%s); sending over sockets", self.worker_id, e)
+            self.shared_memory = False
+            return False
+        try:
+            pack_blocks(kv_caches, block_ids, out=buffer)
+            del buffer  # unmapped; the file stays until unlinked below
+            header_tag, payload_tag = _tags(transfer_id)
+            self._wait(pg.send([_header(transfer_id, len(block_ids), geometry, _SHM_MAGIC)], DECODE_RANK, header_tag), "header send")
+            done = torch.zeros(1, dtype=torch.int64)
+            self._wait(pg.recv([done], DECODE_RANK, payload_tag), "shared-memory ack recv")
+            if int(done[0]) != 1:
+                raise KVTransferError("the receiver could not read the shared-memory payload")
+        finally:
+            _unlink(path)
+        return True
 
     def _wait(self, work, what: str) -> None:
         if not work.wait(self._timeout):

@@ -99,6 +99,9 @@ def test_disaggregated_equals_colocated(ray_local, engine_config, expected, pref
     assert all(f == "length" for _, f in results)
     sent, received = bytes_moved()
     assert sent - sent_before == received - received_before > 0
+    # One host: every payload went through shared memory, none through the sockets.
+    transports = [s["transport"] for s in router.worker_stats.remote().result()["decode"].values()]
+    assert all(t["transfers_shared_memory"] == t["transfers_ok"] for t in transports)
     assert wait_until(lambda: all_blocks_returned(router))
 
 

@@ -6,8 +6,10 @@ child reports a result dict (tensors serialised with torch.save) or its tracebac
 wait has a deadline and children are stopped or killed on failure, so no test can hang.
 """
 
+import glob
 import io
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -16,7 +18,7 @@ import traceback
 import pytest
 import torch
 
-from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport, pack_blocks, unpack_blocks
+from cluster.kv.transport import SHM_DIR, FaultInjection, KVTransferError, KVTransport, pack_blocks, unpack_blocks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -148,9 +150,9 @@ def _attempt(fn, *args) -> tuple:
     return ("ok", time.monotonic() - start)
 
 
-def _decode_transfers(addresses, transfers, timeout_s):
+def _decode_transfers(addresses, transfers, timeout_s, shared_memory=True):
     caches = random_caches(DECODE_SEED)
-    with KVTransport("decode", "d0", "cpu", timeout_s=timeout_s) as kv:
+    with KVTransport("decode", "d0", "cpu", timeout_s=timeout_s, shared_memory=shared_memory) as kv:
         addresses.put(kv.address)
         kv.ensure_group("p0", kv.address, "s1")
         outcomes = {tid: _attempt(kv.recv_blocks, "p0", caches, dst, tid) for tid, _src, dst in transfers}
@@ -177,10 +179,10 @@ def _decode_transfers_concurrently(addresses, transfers, timeout_s):
         return {"outcomes": outcomes, "stats": kv.stats(), "caches": to_bytes(caches)}
 
 
-def _prefill_transfers(addresses, transfers, timeout_s, faults=None, delays=None):
+def _prefill_transfers(addresses, transfers, timeout_s, faults=None, delays=None, shared_memory=True):
     caches = random_caches(PREFILL_SEED)
     address = addresses.get(timeout=30)
-    with KVTransport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults) as kv:
+    with KVTransport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults, shared_memory=shared_memory) as kv:
         kv.ensure_group("d0", address, "s1")
         outcomes = {}
         for tid, src, _dst in transfers:
@@ -262,8 +264,25 @@ def test_fault_injection_selection():
 TRANSFERS = [(10, [3, 7, 1], [0, 5, 2]), (11, [0], [7]), (12, [2, 4, 5, 6], [1, 3, 4, 6])]
 
 
-def test_transfers_between_processes_are_exact_and_counted(children):
-    decode, prefill = children.run(_decode_transfers, _prefill_transfers, (TRANSFERS, 10.0), (TRANSFERS, 10.0))
+def payload_files() -> list[str]:
+    return glob.glob(os.path.join(SHM_DIR, "pdserve-kv-p0-*"))
+
+
+@pytest.mark.parametrize("path", ["shared_memory", "sockets", "shared_memory_unavailable"])
+def test_transfers_between_processes_are_exact_and_counted(children, path):
+    """On one host the payload goes through shared memory; over the group's sockets when
+    that is off, or when no shared-memory file can be made (here: its name is taken)."""
+    blocker = os.path.join(SHM_DIR, "pdserve-kv-p0-s1-10")
+    if path == "shared_memory_unavailable":
+        open(blocker, "w").close()
+    try:
+        decode, prefill = children.run(
+            _decode_transfers, _prefill_transfers, (TRANSFERS, 10.0), (TRANSFERS, 10.0, None, None, path != "sockets")
+        )
+    finally:
+        if path == "shared_memory_unavailable":
+            os.unlink(blocker)
+    assert payload_files() == []  # every payload file removed
 
     assert all(o[0] == "ok" for o in decode["outcomes"].values()), decode["outcomes"]
     assert all(o[0] == "ok" for o in prefill["outcomes"].values()), prefill["outcomes"]
@@ -280,17 +299,20 @@ def test_transfers_between_processes_are_exact_and_counted(children):
     assert (d["transfers_ok"], d["transfers_failed"], d["bytes_sent"], d["bytes_received"]) == (3, 0, 0, payload)
     assert p["seconds_sending"] > 0 and d["seconds_receiving"] > 0
     assert p["groups"] == d["groups"] == 1 and p["groups_created"] == d["groups_created"] == 1
+    assert p["transfers_shared_memory"] == d["transfers_shared_memory"] == (3 if path == "shared_memory" else 0)
 
 
 FAULT_TRANSFERS = [(1, [3, 7, 1], [0, 5, 2]), (2, [0, 4], [7, 8]), (3, [2, 6], [1, 9])]
 
 
-def test_injected_faults_fail_both_sides_then_the_pair_recovers(children):
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_injected_faults_fail_both_sides_then_the_pair_recovers(children, shared_memory):
     timeout_s = 2.0
     transfers = [(1, [3, 7, 1], [0, 5, 2]), (2, [0], [7]), (3, [2], [1]), (4, [4], [8]), (5, [6, 5], [9, 3])]
     faults = FaultInjection(fail_transfer_ids=frozenset({2, 4}))
     decode, prefill = children.run(
-        _decode_transfers, _prefill_transfers, (transfers, timeout_s), (transfers, timeout_s, faults)
+        _decode_transfers, _prefill_transfers, (transfers, timeout_s, shared_memory),
+        (transfers, timeout_s, faults, None, shared_memory),
     )
 
     po, do = prefill["outcomes"], decode["outcomes"]
