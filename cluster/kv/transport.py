@@ -20,11 +20,12 @@ the rest of the code is the same.
                                                              unpack_blocks(caches, dst_ids)
 
 On one host (the decode's store host is the sender's own) with the cache on CPU, the
-payload skips the sockets: the sender packs straight into a shared-memory file, sends a
-header with the shared-memory magic, and waits for the receiver's one-word ack, which
-comes after the receiver has unpacked the file into its cache (one copy on each side,
-no kernel socket copies). The sender unlinks the file whatever happens; files of dead
-senders are swept when a transport starts.
+payload skips the sockets: the sender packs straight into a shared-memory slot
+(cluster/kv/shm_slots.py: files kept mapped on both sides and reused), sends a header
+with the shared-memory magic that names the slot, and waits for the receiver's
+one-word ack, which comes after the receiver has unpacked the slot into its cache: one
+copy on each side, no socket copies, no page faults. After a failure the slot is
+dropped, never reused.
 
 Invariants and failure handling:
 - Tags come from the transfer id, so the transfers of one pair may be posted in any
@@ -46,7 +47,6 @@ Invariants and failure handling:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import zlib
@@ -58,6 +58,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from cluster.kv import shm_slots
+
 log = logging.getLogger(__name__)
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [num_blocks, bs, Hk, D]
@@ -67,9 +69,7 @@ Role = Literal["prefill", "decode"]
 PREFILL_RANK, DECODE_RANK = 0, 1
 _MAGIC = 0x4B565846  # "KVXF"
 _FAILED_MAGIC = 0x4B564641  # "KVFA": the sender could not send this transfer
-_SHM_MAGIC = 0x4B56534D  # "KVSM": the payload waits in a shared-memory file
-SHM_DIR = "/dev/shm"
-_SHM_PREFIX = "pdserve-kv-"
+_SHM_MAGIC = 0x4B56534D  # "KVSM": the payload waits in a shared-memory slot
 
 
 def _tags(transfer_id: int) -> tuple[int, int]:
@@ -77,6 +77,7 @@ def _tags(transfer_id: int) -> tuple[int, int]:
     match by id, not by the order the two sides post them in."""
     return 2 * transfer_id, 2 * transfer_id + 1
 _HEADER_FIELDS = ("magic", "transfer_id", "num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+_CHECKED = len(_HEADER_FIELDS)  # then the slot's (pid, index, capacity): shared memory only
 
 
 class KVTransferError(RuntimeError):
@@ -182,65 +183,17 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())  # the same in every process
 
 
-def _header(transfer_id: int, n: int, geometry: CacheGeometry, magic: int = _MAGIC) -> torch.Tensor:
+def _header(
+    transfer_id: int, n: int, geometry: CacheGeometry, magic: int = _MAGIC, slot: tuple[int, int, int] = (0, 0, 0)
+) -> torch.Tensor:
     g = geometry
-    values = [magic, transfer_id, n, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, _dtype_code(g.dtype)]
-    return torch.tensor(values, dtype=torch.int64, device=g.device)  # header: [8]
+    values = [magic, transfer_id, n, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, _dtype_code(g.dtype), *slot]
+    return torch.tensor(values, dtype=torch.int64, device=g.device)  # header: [11]
 
 
 def _header_mismatch(expected: torch.Tensor, got: torch.Tensor) -> str:
     pairs = zip(_HEADER_FIELDS, expected.tolist(), got.tolist())
     return ", ".join(f"{name} {g} (expected {e})" for name, e, g in pairs if e != g)
-
-
-# ---- shared memory (both sides on one host) --------------------------------------------
-
-
-def _shm_path(sender_id: str, session: str, transfer_id: int) -> str:
-    return os.path.join(SHM_DIR, f"{_SHM_PREFIX}{sender_id}-{session}-{transfer_id}")
-
-
-def _shm_tensor(path: str, geometry: CacheGeometry, n: int, create: bool) -> torch.Tensor:
-    """A packed [L, 2, n, bs, Hk, D] tensor mapped on a shared-memory file (made when
-    `create`: its pages reserved first, so a full /dev/shm is an OSError here, never a
-    SIGBUS on a later write)."""
-    nbytes = geometry.packed_nbytes(n)
-    if create:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError:
-            _unlink(path)
-            raise
-        finally:
-            os.close(fd)
-    elif os.path.getsize(path) != nbytes:
-        raise KVTransferError(f"shared-memory payload {path} has {os.path.getsize(path)} bytes, expected {nbytes}")
-    flat = torch.from_file(path, shared=True, size=nbytes // geometry.dtype.itemsize, dtype=geometry.dtype)
-    return flat.view(geometry.packed_shape(n))
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _sweep_shm(max_age_s: float) -> None:
-    """Remove payload files older than any transfer can be (left by senders that died)."""
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(_SHM_PREFIX)]
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if now - os.stat(path).st_mtime > max_age_s:
-                os.unlink(path)
-        except OSError:
-            pass
 
 
 # ---- process groups -----------------------------------------------------------------
@@ -330,9 +283,11 @@ class KVTransport:
             raise ValueError("idle_timeout_s must exceed timeout_s (a transfer in flight is never idle)")
         self.idle_timeout_s = float(idle_timeout_s)
         self.host = host
-        self.shared_memory = shared_memory and self.device.type == "cpu" and os.path.isdir(SHM_DIR)
-        if self.shared_memory and role == "prefill":
-            _sweep_shm(self.idle_timeout_s)
+        self.shared_memory = shared_memory and self.device.type == "cpu" and shm_slots.available()
+        self._slots = shm_slots.SlotPool() if self.shared_memory and role == "prefill" else None
+        self._views = shm_slots.SlotViews() if role == "decode" else None
+        if self._slots is not None:
+            shm_slots.sweep_dead_senders()
         self._timeout = timedelta(seconds=timeout_s)
         self._faults = fault_injection or FaultInjection()
         self._rank = PREFILL_RANK if role == "prefill" else DECODE_RANK
@@ -400,6 +355,9 @@ class KVTransport:
         for pair in pairs:
             self._discard(pair)
         del store  # the TCPStore server stops when its last reference goes
+        for shared in (self._slots, self._views):
+            if shared is not None:
+                shared.close()
 
     def __enter__(self) -> KVTransport:
         return self
@@ -428,9 +386,9 @@ class KVTransport:
                 failure = KVTransferError(f"{self.worker_id}: injected fault: transfer {transfer_id} with {peer_id!r} not sent")
             else:
                 shared = self._on_this_host(pair) and len(block_ids) > 0
-                shared = shared and self._send_shared(pg, pair, kv_caches, block_ids, geometry, transfer_id)
+                shared = shared and self._send_shared(pg, kv_caches, block_ids, geometry, transfer_id)
                 if not shared:
-                    header = _header(transfer_id, len(block_ids), geometry)  # [8]
+                    header = _header(transfer_id, len(block_ids), geometry)  # [11]
                     self._send_once(pg, header, pack_blocks(kv_caches, block_ids), transfer_id)
         except Exception as e:
             failure = self._failed(pair, pg, transfer_id, "send", e)
@@ -450,12 +408,12 @@ class KVTransport:
         start = time.perf_counter()
         geometry = cache_geometry(kv_caches)
         _block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # ValueError before any I/O
-        expected = _header(transfer_id, len(block_ids), geometry)  # [8]
+        expected = _header(transfer_id, len(block_ids), geometry)  # [11]
         pair = self._pair_for_transfer(peer_id, transfer_id)
         pg, failure, shared = None, None, False
         try:
             pg = self._live_group(pair)
-            shared = self._recv_once(pg, pair, expected, kv_caches, block_ids, transfer_id)
+            shared = self._recv_once(pg, expected, kv_caches, block_ids, transfer_id)
         except _SenderFailed as e:  # the group is fine; only this transfer failed
             self._count(transfers_failed=1)
             failure = KVTransferError(f"{self.worker_id}: transfer {transfer_id} from {peer_id!r} failed at the sender: {e}")
@@ -554,59 +512,66 @@ class KVTransport:
         if packed.numel():
             self._wait(pg.send([packed], DECODE_RANK, payload_tag), "payload send")
 
-    def _recv_once(self, pg, pair: _Pair, expected: torch.Tensor, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> bool:
+    def _recv_once(
+        self, pg, expected: torch.Tensor, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int
+    ) -> bool:
         """Receive header and payload and write the blocks, once all of it is here; the
-        header must equal `expected` (but for the path's magic). True: it came through
-        shared memory."""
+        header must equal `expected` (but for the path's magic and slot). True: it came
+        through shared memory."""
         header_tag, payload_tag = _tags(transfer_id)
-        header = torch.empty_like(expected)  # [8]
+        header = torch.empty_like(expected)  # [11]
         self._wait(pg.recv([header], PREFILL_RANK, header_tag), "header recv")
-        magic = int(header[0])
+        magic, slot = int(header[0]), tuple(header[_CHECKED:].tolist())
         if magic == _FAILED_MAGIC:
             raise _SenderFailed("the sender reported it could not send")
         header[0] = _MAGIC if magic == _SHM_MAGIC else magic
-        if not torch.equal(header, expected):
+        if not torch.equal(header[:_CHECKED], expected[:_CHECKED]):
             raise KVTransferError(f"unexpected transfer header: {_header_mismatch(expected, header)}")
         geometry, n = cache_geometry(kv_caches), len(block_ids)
+        shape = geometry.packed_shape(n)
         if magic == _SHM_MAGIC:
             done = torch.zeros(1, dtype=torch.int64)
             try:
-                unpack_blocks(kv_caches, block_ids, _shm_tensor(_shm_path(pair.peer_id, pair.session, transfer_id), geometry, n, False))
+                unpack_blocks(kv_caches, block_ids, shm_slots.view_as(self._views.view(*slot), shape, geometry.dtype))
                 done[0] = 1
-            finally:  # the sender waits for this word, then removes the file
+            except Exception:
+                self._views.forget(*slot)
+                raise
+            finally:  # the sender waits for this word before it reuses (or drops) the slot
                 self._wait(pg.send([done], PREFILL_RANK, payload_tag), "shared-memory ack send")
             return True
-        packed = torch.empty(geometry.packed_shape(n), dtype=geometry.dtype, device=geometry.device)
+        packed = torch.empty(shape, dtype=geometry.dtype, device=geometry.device)
         if packed.numel():
             self._wait(pg.recv([packed], PREFILL_RANK, payload_tag), "payload recv")
         unpack_blocks(kv_caches, block_ids, packed)
         return False
 
     def _on_this_host(self, pair: _Pair) -> bool:
-        return self.shared_memory and pair.store_address[0] == self.host
+        return self._slots is not None and self.shared_memory and pair.store_address[0] == self.host
 
-    def _send_shared(self, pg, pair: _Pair, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry,
-                     transfer_id: int) -> bool:
-        """Pack into a shared-memory file, announce it, wait for the receiver's ack. False
-        (nothing sent) when no file can be made: the caller sends over the sockets."""
-        path = _shm_path(self.worker_id, pair.session, transfer_id)
+    def _send_shared(self, pg, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry, transfer_id: int) -> bool:
+        """Pack into a shared-memory slot, announce it, wait for the receiver's ack. False
+        (nothing sent) when no slot can be had: the caller sends over the sockets."""
+        n = len(block_ids)
         try:
-            buffer = _shm_tensor(path, geometry, len(block_ids), create=True)
+            slot = self._slots.take(geometry.packed_nbytes(n))
         except OSError as e:
             log.warning("%s: no shared memory for KV transfers (%s); sending over sockets", self.worker_id, e)
             self.shared_memory = False
             return False
         try:
-            pack_blocks(kv_caches, block_ids, out=buffer)
-            del buffer  # unmapped; the file stays until unlinked below
+            pack_blocks(kv_caches, block_ids, out=shm_slots.view_as(slot.data, geometry.packed_shape(n), geometry.dtype))
             header_tag, payload_tag = _tags(transfer_id)
-            self._wait(pg.send([_header(transfer_id, len(block_ids), geometry, _SHM_MAGIC)], DECODE_RANK, header_tag), "header send")
+            header = _header(transfer_id, n, geometry, _SHM_MAGIC, (slot.pid, slot.index, slot.capacity))
+            self._wait(pg.send([header], DECODE_RANK, header_tag), "header send")
             done = torch.zeros(1, dtype=torch.int64)
             self._wait(pg.recv([done], DECODE_RANK, payload_tag), "shared-memory ack recv")
             if int(done[0]) != 1:
                 raise KVTransferError("the receiver could not read the shared-memory payload")
-        finally:
-            _unlink(path)
+        except BaseException:
+            self._slots.drop(slot)  # the receiver may still be reading it: never reuse it
+            raise
+        self._slots.give(slot)
         return True
 
     def _wait(self, work, what: str) -> None:

@@ -18,7 +18,8 @@ import traceback
 import pytest
 import torch
 
-from cluster.kv.transport import SHM_DIR, FaultInjection, KVTransferError, KVTransport, pack_blocks, unpack_blocks
+from cluster.kv import shm_slots
+from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport, pack_blocks, unpack_blocks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -179,17 +180,27 @@ def _decode_transfers_concurrently(addresses, transfers, timeout_s):
         return {"outcomes": outcomes, "stats": kv.stats(), "caches": to_bytes(caches)}
 
 
-def _prefill_transfers(addresses, transfers, timeout_s, faults=None, delays=None, shared_memory=True):
+def _prefill_transfers(addresses, transfers, timeout_s, faults=None, delays=None, shared_memory=True, block_shm=False):
+    """block_shm: the name of the first shared-memory slot is taken, so none can be made."""
     caches = random_caches(PREFILL_SEED)
     address = addresses.get(timeout=30)
-    with KVTransport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults, shared_memory=shared_memory) as kv:
-        kv.ensure_group("d0", address, "s1")
-        outcomes = {}
-        for tid, src, _dst in transfers:
-            time.sleep((delays or {}).get(tid, 0.0))
-            outcomes[tid] = _attempt(kv.send_blocks, "d0", caches, src, tid)
-        sent = {tid: to_bytes(pack_blocks(caches, src)) for tid, src, _dst in transfers}
-        return {"outcomes": outcomes, "stats": kv.stats(), "sent": sent}
+    blocker = shm_slots.slot_path(os.getpid(), 0, shm_slots.CAPACITY_STEP)
+    if block_shm:
+        open(blocker, "w").close()
+    try:
+        with KVTransport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults, shared_memory=shared_memory) as kv:
+            kv.ensure_group("d0", address, "s1")
+            outcomes = {}
+            for tid, src, _dst in transfers:
+                time.sleep((delays or {}).get(tid, 0.0))
+                outcomes[tid] = _attempt(kv.send_blocks, "d0", caches, src, tid)
+            sent = {tid: to_bytes(pack_blocks(caches, src)) for tid, src, _dst in transfers}
+            stats = kv.stats()
+    finally:
+        if block_shm:
+            os.unlink(blocker)
+    left = glob.glob(os.path.join(shm_slots.SHM_DIR, f"{shm_slots.PREFIX}{os.getpid()}-*"))  # this sender's files, after close
+    return {"outcomes": outcomes, "stats": stats, "sent": sent, "files_left": left}
 
 
 def _decode_sessions(addresses):
@@ -264,25 +275,15 @@ def test_fault_injection_selection():
 TRANSFERS = [(10, [3, 7, 1], [0, 5, 2]), (11, [0], [7]), (12, [2, 4, 5, 6], [1, 3, 4, 6])]
 
 
-def payload_files() -> list[str]:
-    return glob.glob(os.path.join(SHM_DIR, "pdserve-kv-p0-*"))
-
-
 @pytest.mark.parametrize("path", ["shared_memory", "sockets", "shared_memory_unavailable"])
 def test_transfers_between_processes_are_exact_and_counted(children, path):
     """On one host the payload goes through shared memory; over the group's sockets when
-    that is off, or when no shared-memory file can be made (here: its name is taken)."""
-    blocker = os.path.join(SHM_DIR, "pdserve-kv-p0-s1-10")
-    if path == "shared_memory_unavailable":
-        open(blocker, "w").close()
-    try:
-        decode, prefill = children.run(
-            _decode_transfers, _prefill_transfers, (TRANSFERS, 10.0), (TRANSFERS, 10.0, None, None, path != "sockets")
-        )
-    finally:
-        if path == "shared_memory_unavailable":
-            os.unlink(blocker)
-    assert payload_files() == []  # every payload file removed
+    that is off, or when no shared-memory slot can be made (here: its name is taken)."""
+    decode, prefill = children.run(
+        _decode_transfers, _prefill_transfers, (TRANSFERS, 10.0),
+        (TRANSFERS, 10.0, None, None, path != "sockets", path == "shared_memory_unavailable"),
+    )
+    assert prefill["files_left"] == []  # the sender's slot files go with its transport
 
     assert all(o[0] == "ok" for o in decode["outcomes"].values()), decode["outcomes"]
     assert all(o[0] == "ok" for o in prefill["outcomes"].values()), prefill["outcomes"]
