@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.config import TransportConfig
+from cluster.config import RoutingConfig, TransportConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import API_KEY, MODEL_NAME
@@ -114,4 +114,27 @@ def test_streams_on_a_replica_removed_by_scale_down_finish_elsewhere(live, clien
 
     assert streams.texts() == expected
     assert counter(live, "pdserve_request_migrations_total") - before >= 1
+    assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
+
+
+def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, client, reference):
+    """SIGSTOP freezes a decode replica (a hung worker: alive to Ray, silent to its
+    streams): after stall_timeout_s its streams continue on the other replica; once it
+    wakes up it aborts what it held."""
+    live.redeploy(decodes=2, routing=RoutingConfig(stall_timeout_s=2.0))
+    prompts = [f"Hang {i}: the fox number {i} sat down and" for i in range(8)]
+    expected = reference(prompts)
+    before = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
+    streams = Streams(client, prompts)
+    assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
+    victim = max(worker_stats(live, "decode"), key=lambda s: s["running"])
+    assert victim["running"] > 0
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        texts = streams.texts()
+    finally:
+        os.kill(victim["pid"], signal.SIGCONT)
+    assert texts == expected
+    after = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
+    assert after - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
