@@ -80,6 +80,9 @@ def run_serve(args) -> int:
         # use of the cores is bounded by each replica's torch threads.
         local_cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_requested(config)))
         ray.init(address=address, num_cpus=local_cpus, include_dashboard=False)
+        # After ray.init: Ray's core installs a fatal-signal handler for SIGTERM that would
+        # abort the process after ours ran; replacing it keeps SIGTERM a clean, drained stop.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         serve.start(http_options={"host": args.host, "port": config.http_port}, grpc_options=grpc_options(config.grpc_port))
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
@@ -92,14 +95,26 @@ def run_serve(args) -> int:
         except KeyboardInterrupt:
             pass
     finally:
-        print("stopping ...", file=sys.stderr)
+        print("stopping: requests in flight finish first (--drain-timeout-s) ...", file=sys.stderr)
         try:
+            if ray.is_initialized():
+                _drain()
             serve.shutdown()
             ray.shutdown()
         finally:
             if redis is not None:
                 redis.stop()
     return 0
+
+
+def _drain() -> None:
+    """Delete the application before shutting Serve down: its replicas take no new
+    request and finish what they run (each within its tier's drain_timeout_s) while the
+    proxies still carry their streams; serve.shutdown alone would cut them."""
+    try:
+        serve.delete(APP_NAME)
+    except Exception as e:  # noqa: BLE001 - never deployed, or Serve already gone: nothing to drain
+        print(f"drain skipped: {e}", file=sys.stderr)
 
 
 def run_status(args) -> int:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -38,7 +39,22 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_serve_status_and_clean_stop(tiny_llama, tmp_path):
+def stream_text(client, out: dict) -> None:
+    """A long greedy stream; `out` gets its chunks, then "finish" or the error it ended with."""
+    out["chunks"] = 0
+    try:
+        for chunk in client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=400,
+                                               temperature=0.0, stream=True, extra_body={"ignore_eos": True}):
+            out["chunks"] += 1
+            out["finish"] = chunk.choices[0].finish_reason or out.get("finish")
+    except Exception as e:  # noqa: BLE001 - what the client saw is the result
+        out["error"] = e
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal):
+    """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
+    0; a stream running at that moment drains: it ends with its finish reason."""
     http_port, grpc_port = free_port(), free_port()
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
@@ -70,13 +86,21 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path):
         assert len(stats["prefill"]) == 1 and len(stats["decode"]) == 1
         (decode,) = stats["decode"].values()
         assert decode["used_blocks"] == 0 and decode["num_blocks"] > 0
-        proc.send_signal(signal.SIGINT)
+        running: dict = {}
+        streaming = threading.Thread(target=stream_text, args=(client, running))
+        streaming.start()
+        deadline = time.monotonic() + 60
+        while running.get("chunks", 0) < 3 and time.monotonic() < deadline and streaming.is_alive():
+            time.sleep(0.01)
+        proc.send_signal(stop_signal)
+        streaming.join(timeout=120)
+        assert "error" not in running and running.get("finish") == "length", running  # drained, not cut
         assert proc.wait(timeout=120) == 0
         assert not port_open(redis_port)  # the private redis-server went with it
     finally:
         if proc.poll() is None:
             proc.kill()
-            pytest.fail("pdserve serve did not stop on Ctrl-C")
+            pytest.fail(f"pdserve serve did not stop on {stop_signal.name}")
 
 
 def test_serve_refuses_an_empty_api_key_file(tmp_path):
