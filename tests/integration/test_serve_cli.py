@@ -51,7 +51,7 @@ def stream_text(client, out: dict) -> None:
         out["error"] = e
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal):
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
     0; a stream running at that moment drains: it ends with its finish reason."""
