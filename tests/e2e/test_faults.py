@@ -88,7 +88,8 @@ def test_prompts_survive_their_prefill_replica_being_killed(live, client, refere
     """A prefill replica dies while it computes long prompts: the decode worker computes
     them itself (recompute, the default) or asks the other prefill replica (retry)."""
     live.redeploy(decodes=1, prefills=prefills, transport=TransportConfig(timeout_s=10.0, failure_policy=policy))
-    prompts = [f"Long prompt {i}: " + "the fox runs over the hill and back again " * 14 for i in range(6)]
+    # Prompts of their own (no cache anywhere holds them), so the prefill replica has real work to die in.
+    prompts = [f"Long prompt {i} under {policy}: " + "the fox runs over the hill and back again " * 14 for i in range(6)]
     expected = reference(prompts)
     streams = Streams(client, prompts)
     busy = []
