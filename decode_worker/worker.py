@@ -134,8 +134,9 @@ class DecodeWorker(EngineWorker):
                     raise TransferFailedError(f"the prefill of {req.request_id} failed: {e}") from e
                 log.warning("prefill of %s failed (attempt %d of %d): %s", req.request_id, attempt, attempts, e)
                 self._counts["prefill_faults"] += 1
-                route = RouteHint()  # any live replica: Serve's router drops a dead one ...
-                await asyncio.sleep(PREFILL_RETRY_BACKOFF_S * attempt)  # ... once it has noticed
+                if attempt < attempts:
+                    route = RouteHint()  # any live replica: Serve's router drops a dead one ...
+                    await asyncio.sleep(PREFILL_RETRY_BACKOFF_S * attempt)  # ... once it has noticed
         self._counts["computed_here"] += 1
         return None
 
