@@ -3,7 +3,8 @@ clients (the `openai` SDK, generated gRPC stubs, httpx, schemathesis).
 
 One cluster per module: local Ray, a private redis-server, 1 prefill + 1 decode worker
 and the gateway, with an API key. `redeploy(gateway=...)` swaps the gateway's limits;
-the workers keep running (their arguments do not change, so Serve keeps them).
+the workers keep running (their arguments do not change, so Serve keeps them);
+`redeploy(engine=...)` restarts them on another checkpoint (same tokenizer).
 """
 
 import dataclasses
@@ -47,9 +48,10 @@ class LiveCluster:
         routing: RoutingConfig = RoutingConfig(),
         decodes: int = 1,
         drain_timeout_s: float = 30.0,
+        engine: EngineConfig | None = None,
     ):
         config = ClusterConfig(
-            engine=self.engine_config,
+            engine=engine or self.engine_config,
             prefill=TierConfig(num_replicas=prefills, num_cpus=0.5),
             decode=TierConfig(num_replicas=decodes, num_cpus=0.5, drain_timeout_s=drain_timeout_s),
             router=TierConfig(num_replicas=gateways, num_cpus=0.1),

@@ -3,6 +3,7 @@
 gives (greedy: no repeated or missing token), the faults are counted, and every block
 on the surviving workers returns."""
 
+import dataclasses
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ import pytest
 from cluster.config import RoutingConfig, TransportConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.testing.random_checkpoint import make_model
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import all_blocks_returned, metric, wait_until
 
@@ -26,12 +28,37 @@ def client(live):
         yield c
 
 
-@pytest.fixture(scope="module")
-def reference(engine_config):
+def greedy_texts(engine_config):
     """Undisturbed greedy texts from a local engine (so no worker caches these prompts
     before they are killed under them)."""
     engine = Engine(engine_config)
     return lambda prompts, n=MAX_TOKENS: [c.text for c in engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))]
+
+
+@pytest.fixture(scope="module")
+def reference(engine_config):
+    return greedy_texts(engine_config)
+
+
+@pytest.fixture(scope="module")
+def slow_prefill_config(engine_config, tmp_path_factory):
+    """The tiny checkpoint's tokenizer on a model wide enough that prefilling a few hundred
+    tokens takes seconds, not milliseconds: long enough to see a prefill replica busy
+    (from outside, through stats calls) and kill it there."""
+    model = make_model(
+        "qwen2",
+        "tiny",
+        tmp_path_factory.mktemp("wide"),
+        overrides={
+            "hidden_size": 512,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": True,
+        },
+    )
+    return dataclasses.replace(engine_config, model=str(model))
 
 
 class Streams:
@@ -84,14 +111,19 @@ def test_streams_go_on_when_their_decode_replica_is_killed(live, client, referen
 
 
 @pytest.mark.parametrize(("policy", "prefills"), [("recompute", 1), ("retry", 2)])
-def test_prompts_survive_their_prefill_replica_being_killed(live, client, reference, policy, prefills):
+def test_prompts_survive_their_prefill_replica_being_killed(live, client, slow_prefill_config, policy, prefills):
     """A prefill replica dies while it computes long prompts: the decode worker computes
     them itself (recompute, the default) or asks the other prefill replica (retry)."""
-    live.redeploy(decodes=1, prefills=prefills, transport=TransportConfig(timeout_s=10.0, failure_policy=policy))
+    live.redeploy(
+        decodes=1,
+        prefills=prefills,
+        transport=TransportConfig(timeout_s=10.0, failure_policy=policy),
+        engine=slow_prefill_config,
+    )
     # Prompts of their own (no cache anywhere holds them), so the prefill replica has real work to die in.
     prompts = [f"Long prompt {i} under {policy}: " + "the fox runs over the hill and back again " * 14 for i in range(6)]
-    expected = reference(prompts)
-    streams = Streams(client, prompts)
+    expected = greedy_texts(slow_prefill_config)(prompts, 16)  # (the fault is in the prefill: a short decode will do)
+    streams = Streams(client, prompts, 16)
     busy = []
     assert wait_until(lambda: busy.extend(s for s in worker_stats(live, "prefill") if s["running"] + s["waiting"]) or busy, 60, 0.05)
     os.kill(busy[0]["pid"], signal.SIGKILL)
