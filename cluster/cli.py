@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from cluster.bench.chaos_bench import add_chaos_flags, run_chaos
 from cluster.bench.cluster_bench import run_cluster_bench
 from cluster.bench.engine_bench import run_engine_bench
 from cluster.bench.serve_bench import add_serve_flags, run_serve_bench
@@ -147,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(bm)
     add_compare_flags(bm)
     bm.set_defaults(fn=run_compare)
+    bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
+                         "checks that none failed, texts match an offline run and no KV block leaked")
+    add_chaos_flags(bx)
+    bx.set_defaults(fn=run_chaos)
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
     add_config_flags(s)

@@ -5,7 +5,8 @@ chunk does not count); ITL the gaps between the streamed chunks after it. A requ
 succeeds only if its stream ends with a finish reason and `data: [DONE]`. An output with
 no visible text at all (only special or undecodable tokens) still succeeds; its TTFT is
 then its first chunk's, as vLLM counts, and it is flagged `empty_output`. Failures are
-classified: `http_<status>`, `truncated_stream`, `stream_error`, `timeout`, `connection`.
+classified: `http_<status>`, `truncated_stream`, `stream_error`, `timeout`, `connection`;
+a request the client gives up on itself (`abort_after`) is `aborted`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class RequestResult:
 async def send(
     session: aiohttp.ClientSession, endpoint: str, model: str, prompt: str | list[dict], max_tokens: int, ignore_eos: bool,
     prompt_len: int,
+    abort_after: int | None = None,
 ) -> RequestResult:
+    """`abort_after`: disconnect after that many streamed chunks (0: as soon as the
+    response starts, while the prompt is still being computed)."""
     chat = endpoint.endswith("/chat/completions")
     body = {
         "model": model,
@@ -60,6 +64,10 @@ async def send(
                 result.error, result.detail = f"http_{response.status}", (await response.text())[:300]
                 return result
             async for raw in response.content:  # one SSE line at a time
+                if abort_after is not None and len(chunk_times) >= abort_after:
+                    response.close()  # the connection goes: the server sees a disconnect
+                    result.error, result.detail = "aborted", f"by the client after {len(chunk_times)} chunks"
+                    return result
                 line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: "):
                     continue

@@ -101,3 +101,26 @@ def plot_engine_bench(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_chaos(chaos: dict, path: Path) -> Path:
+    """Output tokens/s over the run, with a line at each injected fault."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    series = chaos["output_throughput_over_time"]
+    ax.plot(range(len(series)), series, drawstyle="steps-post", color="#4c72b0")
+    ax.set_ylim(bottom=0)
+    colors = {"SIGKILL": "#c44e52", "SIGSTOP": "#dd8452", "SIGTERM": "#8172b3"}
+    for fault in chaos["faults"]:
+        if "pid" in fault:
+            ax.axvline(fault["t_s"], color=colors[fault["signal"]], linestyle="--", alpha=0.8)
+            ax.annotate(f"{fault['tier']} {fault['signal']}", (fault["t_s"], ax.get_ylim()[1]), rotation=90,
+                        fontsize=7, va="top", ha="right", color=colors[fault["signal"]])
+    ax.set_xlabel("time since the load started (s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{chaos['target']}: {chaos['completed']} completed, {chaos['aborted']} aborted, {chaos['failed']} failed, "
+                 f"{int(chaos['migrated'])} migrated, {sum(chaos['leaked_blocks'].values())} blocks leaked", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -12,6 +12,7 @@ tier, what the router predicted, and the KV bytes moved.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -50,8 +51,13 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[flo
     return (times * (n / rate) / times[-1]).tolist()
 
 
-async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[RequestResult], float, list[float]]:
-    """Send the workload; (results, duration, arrival times relative to the start)."""
+async def _run(
+    args, model: str, work, tokenizer: Tokenizer, abort_after: list[int | None] | None = None, on_start=None
+) -> tuple[list[RequestResult], float, list[float]]:
+    """Send the workload; (results, duration, arrival times relative to the start).
+    Single-turn results are in the workload's order; `abort_after[i]` makes the client
+    drop request i after that many chunks (see openai_client.send); `on_start()` is
+    called as the first request goes (after the warm-ups)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     results: list[RequestResult] = []
@@ -70,12 +76,9 @@ async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[Reque
     )
     async with session as client:
 
-        async def one(prompt, prompt_len: int, output_len: int) -> RequestResult:
-            if gate is None:
-                r = await send(client, args.endpoint, model, prompt, output_len, args.ignore_eos, prompt_len)
-            else:
-                async with gate:
-                    r = await send(client, args.endpoint, model, prompt, output_len, args.ignore_eos, prompt_len)
+        async def one(prompt, prompt_len: int, output_len: int, abort: int | None = None) -> RequestResult:
+            async with gate or contextlib.nullcontext():
+                r = await send(client, args.endpoint, model, prompt, output_len, args.ignore_eos, prompt_len, abort)
             results.append(r)
             bar.update(1)
             return r
@@ -96,16 +99,21 @@ async def _run(args, model: str, work, tokenizer: Tokenizer) -> tuple[list[Reque
                 await send(client, args.endpoint, model, warm.prompt, min(4, warm.output_len), True, warm.prompt_len)
 
         tasks = []
+        if on_start is not None:
+            on_start()
         start = time.perf_counter()
         interfering = asyncio.create_task(_interfere(client, args, model, tokenizer)) if args.interference_rate > 0 else None
-        for item, at in zip(work, arrival_times(len(work), args.request_rate, args.burstiness, args.seed)):
+        aborts = abort_after or [None] * len(work)
+        for item, at, abort in zip(work, arrival_times(len(work), args.request_rate, args.burstiness, args.seed), aborts):
             wait = start + at - time.perf_counter()  # absolute schedule: sleep overshoots do not add up
             if wait > 0:
                 await asyncio.sleep(wait)
             arrivals.append(time.perf_counter() - start)
-            coroutine = conversation(item) if multi_turn else one(item.prompt, item.prompt_len, item.output_len)
+            coroutine = conversation(item) if multi_turn else one(item.prompt, item.prompt_len, item.output_len, abort)
             tasks.append(asyncio.create_task(coroutine))
-        await asyncio.gather(*tasks)
+        in_order = await asyncio.gather(*tasks)
+        if not multi_turn:
+            results = in_order
         duration = time.perf_counter() - start
         if interfering is not None:
             interfering.cancel()
@@ -166,6 +174,7 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
             out[f"{tier}_prefix_cache_hit_tokens"] = hit
             out[f"{tier}_route_predicted_hit_tokens"] = predicted
     out["route_fallbacks"] = total("pdserve_route_fallbacks_total")
+    out["request_migrations"] = total("pdserve_request_migrations_total")
     return out
 
 
@@ -188,7 +197,8 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
     total_out = sum(r.output_len for r in ok)
     out = {
         "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "failed": sum(1 for r in results if not r.success and r.error != "aborted"),
+        "aborted": sum(1 for r in results if r.error == "aborted"),  # by the client, on purpose
         "num_prompts": len(results),
         "duration": duration,
         "total_input_tokens": total_in,
@@ -210,9 +220,9 @@ def summarize(args, results: list[RequestResult], duration: float) -> dict:
     slo = goodput_slos(args.goodput)
     good = sum(1 for r in ok if meets(r, slo))
     out["request_goodput"] = good / duration if slo else None
-    out["failure_breakdown"] = dict(sorted(_count(r.error for r in results if not r.success).items()))
+    out["failure_breakdown"] = dict(sorted(_count(r.error for r in results if not r.success and r.error != "aborted").items()))
     out["num_empty_outputs"] = sum(r.empty_output for r in ok)  # succeeded without visible text
-    out["errors"] = [f"{r.error}: {r.detail}" for r in results if not r.success][:20]
+    out["errors"] = [f"{r.error}: {r.detail}" for r in results if not r.success and r.error != "aborted"][:20]
     out.update(_peaks(ok))
     out["output_throughput_over_time"] = throughput_over_time(ok, min((r.start for r in ok), default=0.0))
     out["input_lens"] = [r.prompt_len for r in ok]
@@ -286,6 +296,14 @@ def resolve_model(args) -> str:
 
 def run_once(args) -> dict:
     """One benchmark run; the result dict (vllm bench serve's keys, plus server metrics)."""
+    return measure(args)[0]
+
+
+def measure(args, abort_plan=None, on_start=None) -> tuple[dict, list, list[RequestResult]]:
+    """One benchmark run: (the result dict, the workload, each request's result in the
+    workload's order for single-turn datasets). `abort_plan(work)` gives, per request,
+    after how many chunks the client drops it (None: never); `on_start()` is called as
+    the load starts."""
     model = resolve_model(args)
     tokenizer_dir = args.tokenizer or (str(builtin_model_path()) if model == BUILTIN_MODEL_NAME else model)
     if not Path(tokenizer_dir).exists():
@@ -293,7 +311,8 @@ def run_once(args) -> dict:
     tokenizer = load_tokenizer(tokenizer_dir)
     work = datasets.load(args, tokenizer)
     before = scrape(args.base_url, args.api_key)
-    results, duration, arrivals = asyncio.run(_run(args, model, work, tokenizer))
+    abort_after = abort_plan(work) if abort_plan else None
+    results, duration, arrivals = asyncio.run(_run(args, model, work, tokenizer, abort_after, on_start))
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if args.endpoint.endswith("chat/completions") else "openai",
@@ -312,7 +331,7 @@ def run_once(args) -> dict:
     for item in args.metadata or ():
         key, _, value = item.partition("=")
         result[key] = value
-    return result
+    return result, work, results
 
 
 def print_summary(result: dict) -> None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import re
 import statistics
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import ray
@@ -32,6 +33,7 @@ from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
 from cluster.config import CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
 from cluster.redis_server import PrivateRedis, free_port
+from cluster.serve_main import APP_NAME
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -87,8 +89,27 @@ def parse_target(spec: str):
 
 
 @contextmanager
-def local_cluster(spec: str, args):
-    """Deploy `spec` on the local Ray (started once) and yield its base URL."""
+def local_ray(args):
+    """A local Ray with Serve's HTTP proxy on a free port and a private redis-server, for
+    local targets (sets args._http_port and args._redis, which local_cluster reads)."""
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    args._redis = None
+    try:
+        args._http_port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": args._http_port})
+        args._redis = PrivateRedis()
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if args._redis is not None:
+            args._redis.stop()
+
+
+@contextmanager
+def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
+    """Deploy `spec` on the local Ray (local_ray) and yield its base URL. `routing`
+    overrides the placement settings (its policy comes from the spec)."""
     m = LOCAL.match(spec)
     colocated = m.group(1) == "colocated"
     threads = int(m.group(5) or args.torch_threads)
@@ -104,13 +125,13 @@ def local_cluster(spec: str, args):
         router=TierConfig(num_cpus=0.1),
         colocated=colocated,
         redis_url=args._redis.url,
-        routing=RoutingConfig(policy=m.group(4) or "kv_aware"),
+        routing=dataclasses.replace(routing or RoutingConfig(), policy=m.group(4) or "kv_aware"),
     )
-    serve.run(build_app(config), name="pdserve", route_prefix="/")
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{args._http_port}"
     finally:
-        serve.delete("pdserve")
+        serve.delete(APP_NAME)
 
 
 def run_compare(args) -> int:
@@ -118,19 +139,12 @@ def run_compare(args) -> int:
     local = [s for s in (a_spec, b_spec) if not s.startswith("http")]
     if local and not args.local_model:
         raise ValueError("local targets need --local-model MODEL_DIR")
-    ray_started = False
-    if local:
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-        ray_started = True
-        args._http_port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": args._http_port})
-        args._redis = PrivateRedis()
     runs: dict[str, list[dict]] = {"A": [], "B": []}
-    try:
+    with local_ray(args) if local else nullcontext():
         for round_ in range(args.rounds):
             for label, spec in (("A", a_spec), ("B", b_spec)):
                 print(f"round {round_ + 1}/{args.rounds}: {label} = {spec}")
-                with (local_cluster(spec, args) if not spec.startswith("http") else _url(spec)) as url:
+                with (local_cluster(spec, args) if not spec.startswith("http") else nullcontext(spec)) as url:
                     run_args = copy.copy(args)
                     run_args.base_url = url
                     if label == "A" and args.interference_only_b:
@@ -139,11 +153,6 @@ def run_compare(args) -> int:
                     if not spec.startswith("http"):
                         run_args.tokenizer = args.local_model
                     runs[label].append(run_once(run_args))
-    finally:
-        if ray_started:
-            serve.shutdown()
-            ray.shutdown()
-            args._redis.stop()
     medians = {k: (statistics.median(r[k] for r in runs["A"]), statistics.median(r[k] for r in runs["B"])) for k in COMPARED}
     print(f"{'metric (median of rounds)':<28}{'A: ' + args.target_a:>22}{'B: ' + args.target_b:>22}{'B/A':>8}")
     for k, (a, b) in medians.items():
@@ -164,11 +173,6 @@ def run_compare(args) -> int:
     return 0
 
 
-@contextmanager
-def _url(url: str):
-    yield url
-
-
 def add_sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rates", required=True, help="comma-separated, e.g. 0.5,1,2,4")
     p.add_argument("--slo-ttft-ms", type=float, required=True)
@@ -180,7 +184,14 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-a", required=True, help="URL, 'colocated[:routing]' or '<P>p<D>d[:routing]'")
     p.add_argument("--target-b", required=True)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
-    p.add_argument("--local-model", help="model directory for local targets")
+    p.add_argument("--interference-only-b", action="store_true",
+                   help="send the --interference-* load to target B only (A = the same target alone, e.g. colocated vs colocated)")
+    add_local_target_flags(p)
+
+
+def add_local_target_flags(p: argparse.ArgumentParser) -> None:
+    """How local_cluster builds a local target's engines."""
+    p.add_argument("--local-model", help="model directory or .gguf file for local targets")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -188,5 +199,3 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
                    help="of local engines (0: prompt chunks are not capped while requests decode)")
     p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")
-    p.add_argument("--interference-only-b", action="store_true",
-                   help="send the --interference-* load to target B only (A = the same target alone, e.g. colocated vs colocated)")

@@ -4,8 +4,10 @@ gives (greedy: no repeated or missing token), the faults are counted, and every 
 on the surviving workers returns."""
 
 import dataclasses
+import json
 import os
 import signal
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -132,6 +134,28 @@ def test_prompts_survive_their_prefill_replica_being_killed(live, client, slow_p
     decode = worker_stats(live, "decode")
     assert sum(s["prefill_faults"] + s["recomputed"] for s in decode) >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
+
+
+def test_a_client_gone_during_the_hand_off_frees_blocks_on_both_tiers(live, slow_prefill_config):
+    """The client disconnects while its prompt is on the prefill replica and the decode
+    replica holds blocks reserved for its KV: both tiers abort it and free every block."""
+    live.redeploy(engine=slow_prefill_config)
+    aborted = lambda: {t: sum(s["finished"].get("abort", 0) for s in ws.values())  # noqa: E731
+                       for t, ws in live.handle.worker_stats.remote().result().items()}
+    before = aborted()
+    body = json.dumps({"model": MODEL_NAME, "prompt": "Gone during the hand-off: " + "the fox runs over the hill and back again " * 14,
+                       "max_tokens": 16, "stream": True})
+    host, port = live.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:  # a raw client, to hang up at a moment of our choosing
+        conn.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        assert wait_until(lambda: any(s["running"] + s["waiting"] for s in worker_stats(live, "prefill")), 60, 0.05)
+        assert sum(s["used_blocks"] for s in worker_stats(live, "decode")) > 0  # its reservation, waiting for the KV
+    assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=60)
+    after = aborted()
+    assert after["prefill"] == before["prefill"] + 1 and after["decode"] == before["decode"] + 1
 
 
 def test_streams_on_a_replica_removed_by_scale_down_finish_elsewhere(live, client, reference):
