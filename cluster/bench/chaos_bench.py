@@ -148,13 +148,8 @@ def offline_texts(args, requests: list) -> list[str]:
     """Greedy texts of `requests` from an engine in this process (`pdserve generate`'s)."""
     engine = Engine(EngineConfig(model=args.local_model, dtype=args.dtype, max_model_len=args.max_model_len,
                                  cache=CacheConfig(memory_gib=args.kv_cache_gib)))
-    texts: dict[int, str] = {}
-    for n in sorted({r.output_len for r in requests}):
-        group = [i for i, r in enumerate(requests) if r.output_len == n]
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=args.ignore_eos)
-        for i, out in zip(group, engine.generate([requests[i].prompt for i in group], params)):
-            texts[i] = out.text
-    return [texts[i] for i in range(len(requests))]
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=args.ignore_eos) for r in requests]
+    return [c.text for c in engine.generate([r.prompt for r in requests], params, use_tqdm=not args.disable_tqdm)]
 
 
 def run_chaos(args) -> int:
