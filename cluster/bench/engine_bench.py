@@ -85,6 +85,9 @@ def load_transformers(model_dir: str, dtype: torch.dtype):
     except ImportError:
         print("transformers is not installed: skipping that baseline")
         return None
+    path = Path(model_dir)
+    if path.suffix == ".gguf":  # transformers dequantizes GGUF files itself, as pdserve does
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 

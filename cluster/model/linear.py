@@ -1,14 +1,19 @@
 """Linear layer, and fusing several into one matmul.
 
 On CPU in bf16 the default GEMM path leaves speed on the table for the shapes of
-serving; measured with `pdserve bench engine` (2 cores, bf16, 768-wide model):
-  one row (a batch-1 decode step)  torch.mv streams weights ~1.5x faster than F.linear
-  2..PACKED_MAX_ROWS rows          oneDNN with a pre-packed weight is ~1.6x faster
-  more rows (prefill)              F.linear, which is as fast as the packed path there
-All three produce the same result (fp32 accumulation); the packed copy costs one more
-copy of the weight in memory, so packing is opt-in (`pack_for_cpu`). Packing needs native
-bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py): without it oneDNN refuses to pack
-(AVX2) or only emulates bf16, and the unpacked paths are the right ones.
+serving. Measured on an AMD EPYC with AVX-512-BF16 (2 threads, SmolLM2-135M's shapes,
+one row: a batch-1 decode step), weight bytes streamed per second:
+
+    oneDNN, pre-packed weight   45-85 GB/s
+    F.linear                    25-36 GB/s
+    torch.mv                    11-27 GB/s (slowest on the 49k-row LM head)
+
+so every row count up to PACKED_MAX_ROWS takes the packed path, and F.linear is used
+beyond (prefill), where it is as fast. All paths accumulate in fp32. The packed copy
+costs one more copy of the weight in memory, so packing is opt-in (`pack_for_cpu`).
+Packing needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py): without it
+oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path (fp32
+models: F.linear and torch.mv measure the same).
 """
 
 import torch
@@ -39,11 +44,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        rows = x.shape[0]
-        if rows == 1:
-            y = torch.mv(self.weight, x[0]).unsqueeze(0)
-            return y if self.bias is None else y + self.bias
-        if self.packed_weight is not None and rows <= PACKED_MAX_ROWS:
+        if self.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
