@@ -1,19 +1,21 @@
 """Linear layer, and fusing several into one matmul.
 
-On CPU in bf16 the default GEMM path leaves speed on the table for the shapes of
-serving. Measured on an AMD EPYC with AVX-512-BF16 (2 threads, SmolLM2-135M's shapes,
-one row: a batch-1 decode step), weight bytes streamed per second:
+On CPU the default GEMM path leaves speed on the table for the shapes of serving.
+Measured on an AMD EPYC with AVX-512-BF16 (2 threads, SmolLM2-135M's shapes), weight
+bytes streamed per second for 1 and 8 rows (decode steps of batch 1 and 8):
 
-    oneDNN, pre-packed weight   45-85 GB/s
-    F.linear                    25-36 GB/s
-    torch.mv                    11-27 GB/s (slowest on the 49k-row LM head)
+                                bf16 (1 row)    fp32 (1 row)    fp32 (8 rows)
+    oneDNN, pre-packed weight   45-85 GB/s      37-121 GB/s     38-77 GB/s
+    F.linear                    25-36 GB/s      13-71 GB/s      9-24 GB/s
+    torch.mv                    11-27 GB/s      13-66 GB/s
 
-so every row count up to PACKED_MAX_ROWS takes the packed path, and F.linear is used
-beyond (prefill), where it is as fast. All paths accumulate in fp32. The packed copy
-costs one more copy of the weight in memory, so packing is opt-in (`pack_for_cpu`).
-Packing needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py): without it
-oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path (fp32
-models: F.linear and torch.mv measure the same).
+(fp32 with oneDNN and ATen capped at AVX2, as on an AVX2-only EPYC: packed 22-118 GB/s,
+F.linear 9-70.) So every row count up to PACKED_MAX_ROWS takes the packed path, and
+F.linear is used beyond (prefill), where it is as fast. All paths accumulate in fp32.
+The packed copy costs one more copy of the weight in memory, so packing is opt-in
+(`pack_for_cpu`). bf16 packing needs native bf16 (AVX-512-BF16 or AMX,
+cluster/cpu_features.py): without it oneDNN refuses to pack (AVX2) or only emulates
+bf16, and F.linear is the path.
 """
 
 import torch
@@ -26,11 +28,13 @@ PACKED_MAX_ROWS = 256
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
     return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
+        weight.dtype == torch.bfloat16
         and detect().native_bf16
-        and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # what torch's own build and ISA cap allow
     )
 

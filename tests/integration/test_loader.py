@@ -8,6 +8,7 @@ import torch
 
 from cluster.cpu_features import detect
 from cluster.model.families import UnsupportedModelError
+from cluster.model.linear import Linear
 from cluster.model.loader import ModelLoadError, load_model
 
 
@@ -37,7 +38,8 @@ def test_sharded_checkpoint_loads_every_shard(tiny_models):
 
 
 def test_dtype_choice(tiny_models):
-    """bf16 loads on every CPU (pre-packed only where the CPU has native bf16); `auto`
+    """bf16 loads on every CPU (pre-packed only where the CPU has native bf16, fp32
+    everywhere); `auto`
     follows the CPU, not the checkpoint's float32 (tests/unit/test_cpu_features.py has
     each CPU kind; tests/integration/test_cpu_paths.py forces them in real processes)."""
     bf16 = load_model(tiny_models["qwen2"], dtype="bfloat16").model
@@ -45,6 +47,9 @@ def test_dtype_choice(tiny_models):
     packed = [m for m in bf16.modules() if getattr(m, "packed_weight", None) is not None]
     assert bool(packed) == (detect().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert load_model(tiny_models["qwen2"], dtype="auto").dtype == (torch.bfloat16 if detect().native_bf16 else torch.float32)
+    fp32 = load_model(tiny_models["qwen2"], dtype="float32").model
+    packed = [m.packed_weight is not None for m in fp32.modules() if isinstance(m, Linear)]
+    assert packed and all(packed) == torch.backends.mkldnn.is_available()
 
 
 def test_tied_head_shares_the_embedding(tiny_models):

@@ -84,12 +84,26 @@ def test_bf16_without_native_support_warns_with_the_dtype_to_use(cpu, caplog):
     assert "--dtype float32 is faster here" in caplog.text
 
 
-def test_weights_are_prepacked_only_with_native_bf16(cpu):
+def test_bf16_weights_are_prepacked_only_with_native_bf16_and_fp32_ones_everywhere(cpu):
     weight = torch.randn(8, 4).bfloat16()
     cpu(AVX2)
     assert not linear.can_pack(weight)
+    assert linear.can_pack(weight.float())  # oneDNN's fp32 kernels run on AVX2
     cpu(AVX512)  # oneDNN could pack here, but only emulates bf16
     assert not linear.can_pack(weight)
     cpu(ZEN4)
     assert linear.can_pack(weight) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert not linear.can_pack(weight.float())
+    assert linear.can_pack(weight.float())
+    assert not linear.can_pack(weight.half())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_path_computes_what_f_linear_does(rows, dtype):
+    layer = linear.Linear(64, 48, bias=True).to(dtype)
+    x = torch.randn(rows, 64, dtype=dtype)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.pack_for_cpu()
+    if layer.packed_weight is None:
+        pytest.skip(f"this CPU does not pack {dtype} weights")
+    torch.testing.assert_close(layer(x), expected, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
