@@ -2,9 +2,9 @@
 a pure-torch reference that is both the numerical spec and the CPU production path."""
 
 from kernels.kv_store import store_kv
-from kernels.paged_attention import paged_attention_decode
+from kernels.paged_attention import DecodeGather, decode_gather, paged_attention_decode
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary
 from kernels.silu_gate import silu_and_mul
 
-__all__ = ["apply_rotary", "paged_attention_decode", "rms_norm", "silu_and_mul", "store_kv"]
+__all__ = ["DecodeGather", "apply_rotary", "decode_gather", "paged_attention_decode", "rms_norm", "silu_and_mul", "store_kv"]

@@ -9,10 +9,37 @@ used. The softmax is computed in fp32; the output is [B, Hq, D] in q.dtype. A se
 with context_len 0 gets a zero output.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+
+@dataclass(frozen=True)
+class DecodeGather:
+    """Where each sequence's context lies in the cache, for the reference path: the same
+    for every layer of a step, so the runner computes it once per step."""
+
+    table: torch.Tensor  # [B, nb] int64: block ids up to the longest context, padding -> block 0
+    live: torch.Tensor  # [B, nb * block_size] bool: position < context_len
+    dead_rows: torch.Tensor  # indexes into the B * nb * block_size gathered rows that are not live
+
+
+def decode_gather(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeGather | None:
+    """None when no sequence has context (the attention output is then all zeros)."""
+    max_len = int(context_lens.max()) if context_lens.numel() else 0
+    if max_len == 0:
+        return None
+    num_blocks = triton.cdiv(max_len, block_size)
+    # Gather only up to the longest context; padding ids are replaced by block 0, never trusted.
+    blocks_used = (context_lens.long() + block_size - 1) // block_size  # [B]
+    padding = torch.arange(num_blocks, device=block_tables.device)[None, :] >= blocks_used[:, None]  # [B, nb]
+    table = block_tables[:, :num_blocks].long().masked_fill(padding, 0)  # table: [B, nb]
+    positions = torch.arange(num_blocks * block_size, device=block_tables.device)  # [L]
+    live = positions[None, :] < context_lens[:, None]  # live: [B, L]
+    return DecodeGather(table, live, (~live).flatten().nonzero().squeeze(1))
 
 
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, dead_rows: torch.Tensor) -> torch.Tensor:
@@ -31,22 +58,17 @@ def paged_attention_decode_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
-    batch, num_q_heads, _ = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max()) if batch else 0
-    if max_len == 0:
+    """`gather`: decode_gather(block_tables, context_lens, block_size), if already known."""
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if gather is None:
+        gather = decode_gather(block_tables, context_lens, k_cache.shape[1])
+    if gather is None:
         return torch.zeros_like(q)
-    num_blocks = triton.cdiv(max_len, block_size)
-    # Gather only up to the longest context; padding ids are replaced by block 0, never trusted.
-    blocks_used = (context_lens.long() + block_size - 1) // block_size  # [B]
-    padding = torch.arange(num_blocks, device=q.device)[None, :] >= blocks_used[:, None]  # [B, nb]
-    table = block_tables[:, :num_blocks].long().masked_fill(padding, 0)  # table: [B, nb]
-    positions = torch.arange(num_blocks * block_size, device=q.device)  # [L]
-    live = positions[None, :] < context_lens[:, None]  # live: [B, L]
-    dead_rows = (~live).flatten().nonzero().squeeze(1)  # indexes the B * L gathered rows
-    k = _gather_context(k_cache, table, dead_rows).to(q.dtype)  # k: [B, L, Hk, D]
-    v = _gather_context(v_cache, table, dead_rows).to(q.dtype)  # v: [B, L, Hk, D]
+    live = gather.live
+    k = _gather_context(k_cache, gather.table, gather.dead_rows).to(q.dtype)  # k: [B, L, Hk, D]
+    v = _gather_context(v_cache, gather.table, gather.dead_rows).to(q.dtype)  # v: [B, L, Hk, D]
     # CPU SDPA (its flash kernel) keeps scores, max, exp and sum in fp32 for bf16/fp16 and, like
     # HF, rounds the probabilities to q.dtype for P @ V (fp32 accumulate). Measured faster than
     # upcasting to fp32 first (~2x at B=16, ctx ~300, Hq=12, Hk=4, D=64, bf16) and than an fp32
@@ -150,7 +172,8 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
     if q.is_cuda:
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_attention_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, gather)

@@ -16,6 +16,7 @@ from cluster.engine.scheduler import SchedulerOutput
 from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.families import ModelArch
 from cluster.model.loader import LoadedModel
+from kernels import decode_gather
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -102,11 +103,13 @@ class ModelRunner:
         def t(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=self.device)
 
+        decode_tables, decode_lens = decode_tables.to(self.device), decode_lens.to(self.device)
         meta = AttentionMetadata(
             slot_mapping=t(slots),
             num_decode_tokens=len(decodes),
-            decode_block_tables=decode_tables.to(self.device),
-            decode_context_lens=decode_lens.to(self.device),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
             prefills=tuple(prefill_seqs),
+            decode_gather=decode_gather(decode_tables, decode_lens, bs) if decodes and self.device.type == "cpu" else None,
         )
         return BatchInputs(t(input_ids), t(positions), meta, t(sample_rows), sample_ids)

@@ -23,7 +23,7 @@ from cluster.cpu_features import detect
 from cluster.model.linear import Linear, fuse_linears
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
-from kernels import paged_attention_decode, store_kv
+from kernels import DecodeGather, paged_attention_decode, store_kv
 
 
 def decode_attention_in_fp32(q: torch.Tensor) -> bool:
@@ -50,6 +50,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32
     decode_context_lens: torch.Tensor  # [D] int32
     prefills: tuple[PrefillSeq, ...]
+    decode_gather: DecodeGather | None = None  # CPU: the decode tokens' cache rows, shared by every layer
 
 
 class Attention(nn.Module):
@@ -104,7 +105,7 @@ class Attention(nn.Module):
         if D:
             q_decode = q[:D].float() if decode_attention_in_fp32(q) else q[:D]  # (the kernel casts K/V to q's dtype)
             out[:D] = paged_attention_decode(
-                q_decode, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                q_decode, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, meta.decode_gather
             )
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)

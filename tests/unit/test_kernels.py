@@ -13,7 +13,7 @@ import torch
 
 import kernels
 from kernels.kv_store import store_kv_reference, store_kv_triton
-from kernels.paged_attention import paged_attention_decode_reference, paged_attention_decode_triton
+from kernels.paged_attention import decode_gather, paged_attention_decode_reference, paged_attention_decode_triton
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_reference, rotary_triton
 from kernels.silu_gate import silu_and_mul_reference, silu_and_mul_triton
@@ -266,6 +266,18 @@ def test_paged_attention_reference_matches_naive(num_q_heads, num_kv_heads, head
     out = paged_attention_decode_reference(*args, scale)
     assert out.shape == args[0].shape and out.dtype == dtype
     torch.testing.assert_close(out.double(), _naive_decode_attention(*args, scale), **_tol(dtype))
+    # The runner's once-per-step gather plan gives the same result.
+    gather = decode_gather(args[3], args[4], block_size)
+    assert torch.equal(paged_attention_decode_reference(*args, scale, gather), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_reference_in_fp32_over_half_precision_kv(dtype):
+    """The model's CPU decode path without AMX: an fp32 query over a bf16/fp16 cache."""
+    q, *rest = _paged_setup([1, 15, 17, 100], 8, 2, 64, 16, dtype, "nan_blocks")
+    out = paged_attention_decode_reference(q.float(), *rest, 0.125)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out.double(), _naive_decode_attention(q, *rest, 0.125), **_tol(torch.float32))
 
 
 def test_paged_attention_reference_gathers_only_the_longest_context():
@@ -318,7 +330,9 @@ def test_paged_attention_empty_context_gives_zeros(attention):
 
 
 def test_public_ops_use_the_reference_on_cpu():
-    assert sorted(kernels.__all__) == ["apply_rotary", "paged_attention_decode", "rms_norm", "silu_and_mul", "store_kv"]
+    assert sorted(kernels.__all__) == [
+        "DecodeGather", "apply_rotary", "decode_gather", "paged_attention_decode", "rms_norm", "silu_and_mul", "store_kv"
+    ]
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
     assert torch.equal(kernels.silu_and_mul(x), silu_and_mul_reference(x))
