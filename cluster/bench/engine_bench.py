@@ -39,6 +39,29 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return num_bytes / best
 
 
+def measure_matmul_flops(rows: int, arch, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of torch.matmul on a prefill-shaped product ([rows, hidden] x [hidden,
+    intermediate], the model's widest), this dtype and thread count: best of `repeats`."""
+    x = torch.randn(rows, arch.hidden_size, dtype=dtype)
+    w = torch.randn(arch.hidden_size, arch.intermediate_size, dtype=dtype)
+    torch.matmul(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.matmul(x, w)
+        best = min(best, time.perf_counter() - t)
+    return 2 * rows * arch.hidden_size * arch.intermediate_size / best
+
+
+def prefill_flops(engine: Engine, batch: int, input_len: int) -> float:
+    """Matmul FLOPs of prefilling `batch` prompts: every layer weight once per token,
+    the LM head once per prompt (only the last row is sampled), causal attention."""
+    arch = engine.loaded.arch
+    layer_params = sum(p.numel() for name, p in engine.loaded.model.named_parameters() if ".layers." in name and p.dim() == 2)
+    attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * input_len * (input_len + 1)  # QK^T and PV, causal half
+    return batch * (2 * layer_params * input_len + attention + 2 * arch.hidden_size * arch.vocab_size)
+
+
 def weight_bytes(engine: Engine) -> int:
     return sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
 
@@ -151,6 +174,7 @@ def run_engine_bench(args) -> int:
     roofline_ms = 1e3 * wbytes / bandwidth
     vocab = engine.loaded.arch.vocab_size
     bench_pdserve(engine, random_prompts(2, 32, vocab, seed=99), 4)  # warm-up
+    matmul_flops = measure_matmul_flops(max(batch_sizes) * args.input_len, engine.loaded.arch, engine.loaded.dtype)
     results = {
         "model": args.model,
         "dtype": args.dtype,
@@ -160,6 +184,7 @@ def run_engine_bench(args) -> int:
         "weight_bytes": wbytes,
         "read_bandwidth_gbs": bandwidth / 1e9,
         "roofline_step_ms": roofline_ms,
+        "matmul_gflops": matmul_flops / 1e9,
         "runs": [],
     }
     hf_model = None if args.no_transformers else load_transformers(args.model, engine.loaded.dtype)
@@ -175,6 +200,7 @@ def run_engine_bench(args) -> int:
                 bar.update()
             run = {"batch_size": b, "rounds": args.rounds}
             run.update({system: median_of(rs) for system, rs in rounds.items() if rs})
+            run["pdserve"]["prefill_gflops"] = prefill_flops(engine, b, args.input_len) / run["pdserve"]["prefill_s"] / 1e9
             results["runs"].append(run)
 
     print(f"\nweights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
@@ -192,6 +218,9 @@ def run_engine_bench(args) -> int:
         if run.get("transformers"):
             ratio = run["transformers"]["decode_step_ms_mean"] / run["pdserve"]["decode_step_ms_mean"]
             print(f"{'':>5} pdserve decode is {ratio:.2f}x transformers")
+        gflops = run["pdserve"]["prefill_gflops"]
+        print(f"{'':>5} pdserve prefill {gflops:.0f} GFLOP/s = {gflops / results['matmul_gflops']:.0%} of torch.matmul's "
+              f"{results['matmul_gflops']:.0f} GFLOP/s ({args.dtype}, {results['threads']} threads)")
 
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,9 @@ from cluster.model.rotary import RotaryEmbedding
 from kernels import DecodeGather, paged_attention_decode, store_kv
 
 
-def decode_attention_in_fp32(q: torch.Tensor) -> bool:
-    """CPU decode attention on half-precision K/V runs in fp32 unless the CPU has AMX.
+def attention_in_fp32(q: torch.Tensor) -> bool:
+    """CPU attention (decode and prefill) on half-precision Q/K/V runs in fp32 unless the
+    CPU has AMX.
     Measured on an AMD EPYC with AVX-512-BF16, no AMX (2 threads, 9 query / 3 KV heads,
     D=64, ~260 context): torch's bf16 SDPA takes 961 us at batch 8 and 1876 us at 16,
     the same inputs cast to fp32 170 us and 298 us, casts included; with AMX, bf16 was
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)  # [T, Hq, D]
         D = meta.num_decode_tokens
         if D:
-            q_decode = q[:D].float() if decode_attention_in_fp32(q) else q[:D]  # (the kernel casts K/V to q's dtype)
+            q_decode = q[:D].float() if attention_in_fp32(q) else q[:D]  # (the kernel casts K/V to q's dtype)
             out[:D] = paged_attention_decode(
                 q_decode, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, meta.decode_gather
             )
@@ -122,6 +123,8 @@ class Attention(nn.Module):
             mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]  # [Tq, L]
         else:
             mask = None
+        if attention_in_fp32(q):
+            q, k, v = q.float(), k.float(), v.float()
         # 4-D inputs: CPU SDPA only takes its flash kernel (6x faster here) for [B, H, T, D].
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, Hq, Tq, D]

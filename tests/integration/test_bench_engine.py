@@ -15,10 +15,11 @@ def test_bench_engine_writes_consistent_results(tmp_path, tiny_llama):
     (result,) = tmp_path.glob("*.json")
     data = json.loads(result.read_text())
     assert [r["batch_size"] for r in data["runs"]] == [1, 3]
-    assert data["roofline_step_ms"] > 0 and data["read_bandwidth_gbs"] > 0
+    assert data["roofline_step_ms"] > 0 and data["read_bandwidth_gbs"] > 0 and data["matmul_gflops"] > 0
     for run in data["runs"]:
         ours = run["pdserve"]
         assert ours["output_tokens"] == run["batch_size"] * 5
         assert ours["prefill_s"] <= ours["total_s"]
+        assert ours["prefill_gflops"] > 0
         assert run["transformers"]["decode_step_ms_mean"] > 0
     assert (tmp_path / result.name.replace(".json", ".png")).stat().st_size > 1000
