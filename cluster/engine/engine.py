@@ -29,6 +29,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
 from cluster.engine.step_times import StepTimes
 from cluster.errors import InvalidRequestError
+from cluster.host_memory import keep_freed_memory
 from cluster.kv.block_pool import BlockPool
 from cluster.model.loader import load_model, open_checkpoint
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker
@@ -80,6 +81,8 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory()  # activations are reused step after step: no page faults for them
         torch.manual_seed(config.seed)
         checkpoint = open_checkpoint(config.model)
         self.loaded = load_model(checkpoint, config.dtype, config.device, config.max_model_len)
