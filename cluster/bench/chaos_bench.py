@@ -94,7 +94,7 @@ class FaultInjector(threading.Thread):
 
     def _inject(self, fault: Fault) -> dict:
         record = {"t_s": round(time.perf_counter() - self._t0, 2), "tier": fault.tier, "signal": fault.signal}
-        stats = list(self.handle.worker_stats.remote().result()[fault.tier].values())
+        stats = list(self.handle.worker_stats.remote().result().get(fault.tier, {}).values())  # (colocated: no prefill tier)
         if not stats:
             return {**record, "skipped": "no live replica"}
         victim = max(stats, key=lambda s: (s["running"] + s["waiting"], random.random()))
