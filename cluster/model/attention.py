@@ -31,8 +31,9 @@ def attention_in_fp32(q: torch.Tensor) -> bool:
     CPU has AMX.
     Measured on an AMD EPYC with AVX-512-BF16, no AMX (2 threads, 9 query / 3 KV heads,
     D=64, ~260 context): torch's bf16 SDPA takes 961 us at batch 8 and 1876 us at 16,
-    the same inputs cast to fp32 170 us and 298 us, casts included; with AMX, bf16 was
-    measured ~2x faster than the fp32 cast. fp32 is also closer to exact."""
+    the same inputs cast to fp32 170 us and 298 us, casts included. An earlier
+    measurement (its CPU not recorded, likely with AMX) found bf16 ~2x faster than the
+    cast, so AMX CPUs keep bf16 until measured again. fp32 is also closer to exact."""
     return q.device.type == "cpu" and q.dtype != torch.float32 and not detect().amx
 
 
