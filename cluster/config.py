@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
 GGUF_SUFFIX = ".gguf"
 
@@ -62,12 +63,23 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0
-    cache: CacheConfig = CacheConfig()
+    cache: CacheConfig = CacheConfig()  # memory_gib: per rank
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Tensor parallelism (cluster/parallel/): ranks per replica, one torch process group;
+    # num_threads applies to each rank. Ranks are placed by a Ray placement group.
+    tensor_parallel_size: int = 1
+    tp_placement: str = "STRICT_PACK"  # STRICT_PACK: a replica's ranks share a node
+    tp_timeout_s: float = 60.0  # a collective waiting longer means a rank is lost
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_placement not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"tp_placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.tp_placement!r}")
+        if self.tp_timeout_s <= 0:
+            raise ValueError("tp_timeout_s must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

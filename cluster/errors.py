@@ -18,6 +18,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped: nothing more will run on this replica."""
 
 
+class RankLostError(EngineDeadError):
+    """A tensor-parallel rank of this replica died or stalled: the replica cannot step again."""
+
+
 class KVCacheFullError(RuntimeError):
     """A decode worker had no room for the prompt's blocks in time (the caller may retry elsewhere)."""
 

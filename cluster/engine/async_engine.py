@@ -4,6 +4,10 @@ One background thread owns the Engine and steps it; nothing else touches it.
 Callers hand work in through a thread-safe inbox (add, abort) and get deltas on a
 per-request asyncio queue. A caller that stops iterating (cancelled, disconnected)
 aborts its request, which frees its blocks on the engine thread.
+
+A step that fails fails the requests it ran (their blocks freed) and the engine goes
+on; a step that cannot run again (EngineDeadError: a tensor-parallel rank is lost) also
+refuses all later work with that error, and `dead` tells the worker's health check.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
         self._closed = False
+        self.dead: EngineDeadError | None = None
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -138,6 +143,8 @@ class AsyncEngine:
                 self._post(_Abort(request_id))
 
     def _check_open(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead}")
         if self._closed:
             raise EngineDeadError("engine is shut down")
 
@@ -155,17 +162,25 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.engine.close()
+
+    def _loop(self) -> None:
         while True:
             self._wakeup.clear()
             if not self._drain_inbox():
                 return
-            if not self.engine.has_schedulable:  # idle, or only waiting for KV: sleep until a message
+            if self.dead is not None or not self.engine.has_schedulable:  # idle, waiting for KV, or dead
                 self._wakeup.wait()
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a broken step must not strand callers or blocks
                 log.exception("engine step failed; failing every running request")
+                if isinstance(e, EngineDeadError):
+                    self.dead = e
                 self._fail_all(e)
                 continue
             for out in outputs:
@@ -187,6 +202,8 @@ class AsyncEngine:
                 self.engine.abort(msg.request_id)
             elif isinstance(msg, _Call):
                 self._run_call(msg)
+            elif self.dead is not None:
+                msg.sink.put(EngineDeadError(f"engine is dead: {self.dead}"))
             else:
                 try:
                     self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.hold_kv, msg.generated)
@@ -204,10 +221,13 @@ class AsyncEngine:
                 future.set_result(result)
 
         result, error = None, None
-        try:
-            result = msg.fn(self.engine)
-        except Exception as e:
-            error = e
+        if self.dead is not None:  # nothing may start on a dead engine (it would never step)
+            error = EngineDeadError(f"engine is dead: {self.dead}")
+        else:
+            try:
+                result = msg.fn(self.engine)
+            except Exception as e:
+                error = e
         try:
             msg.loop.call_soon_threadsafe(resolve, msg.future, result, error)
         except RuntimeError:  # the caller's loop is closed

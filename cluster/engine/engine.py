@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -31,7 +32,11 @@ from cluster.engine.step_times import StepTimes
 from cluster.errors import InvalidRequestError
 from cluster.host_memory import keep_freed_memory
 from cluster.kv.block_pool import BlockPool
-from cluster.model.loader import load_model, open_checkpoint
+from cluster.model.families import parse_arch
+from cluster.model.loader import load_model, open_checkpoint, resolve_dtype, resolve_max_model_len
+from cluster.parallel.group import SINGLE
+from cluster.parallel.ranks import TensorParallelRanks, resolved
+from cluster.parallel.sharding import shard_of
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -85,20 +90,35 @@ class Engine:
             keep_freed_memory()  # activations are reused step after step: no page faults for them
         torch.manual_seed(config.seed)
         checkpoint = open_checkpoint(config.model)
-        self.loaded = load_model(checkpoint, config.dtype, config.device, config.max_model_len)
+        # What every rank must agree on is decided here, before any other rank starts.
+        arch = parse_arch(checkpoint.config())
+        dtype = resolve_dtype(config.dtype, arch.torch_dtype, config.device)
+        shard = shard_of(arch, 0, config.tensor_parallel_size)  # ShardingError before any rank starts
+        num_blocks = num_kv_blocks(config.cache, arch, shard, dtype)
+        block_size = config.cache.block_size
+        max_model_len = resolve_max_model_len(config.max_model_len, arch)
+        if num_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens, less than one sequence of "
+                f"max_model_len {max_model_len}: give it more memory or lower max_model_len"
+            )
+        self.config = config = resolved(config, dtype, num_blocks)
+        self.ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
+        try:
+            group = self.ranks.group if self.ranks is not None else SINGLE
+            self.loaded = load_model(checkpoint, config.dtype, config.device, config.max_model_len, group)
+            if self.ranks is not None:
+                self.ranks.start()
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(lambda: None)
+            raise
         self.tokenizer = checkpoint.tokenizer()
         self.max_model_len = self.loaded.max_model_len
         self.inputs = InputProcessor(self.tokenizer, self.loaded.arch.vocab_size, self.max_model_len)
         self.eos_token_ids = self.loaded.eos_token_ids | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        block_size = config.cache.block_size
-        num_blocks = num_kv_blocks(config.cache, self.loaded.arch, self.loaded.dtype)
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * block_size} tokens, less than one sequence of "
-                f"max_model_len {self.max_model_len}: give it more memory or lower max_model_len"
-            )
         self.pool = BlockPool(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.model_id)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
@@ -321,6 +341,27 @@ class Engine:
             num_cached_tokens=r.num_cached_prompt_tokens,
             logprobs=logprobs,
         )
+
+    def check_health(self) -> None:
+        """RankLostError if a tensor-parallel rank of this replica is gone."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def rank_info(self) -> list[dict]:
+        """Every rank of this replica: rank 0 (this process) first."""
+        here = {
+            "rank": 0,
+            "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "kv_heads": list(self.loaded.model.shard.kv_heads),
+        }
+        return [here, *(self.ranks.info() if self.ranks is not None else [])]
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (idempotent; nothing to do with one rank)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.close(self.runner.stop_followers)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

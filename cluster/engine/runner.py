@@ -1,8 +1,11 @@
 """Turns a SchedulerOutput into one forward pass over the paged KV cache.
 
 The runner owns the KV cache tensors (one K and one V per layer, each
-`[num_blocks, block_size, num_kv_heads, head_dim]`) and nothing else; which block
-holds what is the block pool's business.
+`[num_blocks, block_size, num_kv_heads, head_dim]`, this rank's KV heads under tensor
+parallelism) and nothing else; which block holds what is the block pool's business.
+
+Tensor parallelism: rank 0's runner broadcasts each step's plan before running it, and
+every other rank's runner `follow`s: the same plan, the same forward pass, on its shard.
 """
 
 from __future__ import annotations
@@ -16,18 +19,21 @@ from cluster.engine.scheduler import SchedulerOutput
 from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.families import ModelArch
 from cluster.model.loader import LoadedModel
+from cluster.parallel.sharding import Shard
 from kernels import decode_gather
 
 
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+def kv_bytes_per_block(arch: ModelArch, shard: Shard, block_size: int, dtype: torch.dtype) -> int:
+    """One block's KV on one rank (its KV heads)."""
+    per_token = 2 * arch.num_layers * shard.num_kv_heads * arch.head_dim * dtype.itemsize
     return per_token * block_size
 
 
-def num_kv_blocks(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype) -> int:
+def num_kv_blocks(cache: CacheConfig, arch: ModelArch, shard: Shard, dtype: torch.dtype) -> int:
+    """Blocks that fit in `cache.memory_gib` on each rank (the same count on every rank)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    return max(1, int(cache.memory_gib * 2**30) // kv_bytes_per_block(arch, cache.block_size, dtype))
+    return max(1, int(cache.memory_gib * 2**30) // kv_bytes_per_block(arch, shard, cache.block_size, dtype))
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,10 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: str = "cpu"):
         self.model = loaded.model
         self.arch = loaded.arch
+        self.group = loaded.model.group
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (num_blocks, block_size, loaded.model.shard.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=loaded.dtype, device=device), torch.zeros(shape, dtype=loaded.dtype, device=device))
             for _ in range(self.arch.num_layers)
@@ -53,6 +60,25 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         """Run the step; returns (request ids to sample, their logits [N, vocab] fp32)."""
+        if self.group.is_parallel:
+            self.group.broadcast_object(sched)  # the other ranks' `follow` gets it
+        return self._run(sched)
+
+    def follow(self) -> bool:
+        """A rank other than 0: run rank 0's next step (its logits are rank 0's to sample).
+        False once rank 0 sends the stop (None)."""
+        sched = self.group.broadcast_object()
+        if sched is None:
+            return False
+        self._run(sched)
+        return True
+
+    def stop_followers(self) -> None:
+        """Rank 0: release the other ranks from `follow`."""
+        if self.group.is_parallel:
+            self.group.broadcast_object(None)
+
+    def _run(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         batch = self.prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [N, vocab]

@@ -23,6 +23,7 @@ from cluster.cpu_features import detect
 from cluster.model.linear import Linear, fuse_linears
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
+from cluster.parallel.group import SINGLE, TensorParallelGroup
 from kernels import DecodeGather, paged_attention_decode, store_kv
 
 
@@ -56,6 +57,9 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
+    """Tensor-parallel: this rank's query heads and the KV heads they read (cluster/parallel/
+    sharding.py); o_proj holds the matching input columns and the ranks' outputs are summed."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -65,8 +69,10 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         qkv_bias: bool,
         qk_norm_eps: float | None,
+        group: TensorParallelGroup = SINGLE,
     ):
         super().__init__()
+        self.group = group
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
@@ -112,7 +118,7 @@ class Attention(nn.Module):
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seq)
-        return self.o_proj(out.view(T, self.q_size))
+        return self.group.all_reduce_(self.o_proj(out.view(T, self.q_size)))
 
     def _prefill_attention(self, q, k, v, k_cache, v_cache, seq: PrefillSeq) -> torch.Tensor:
         # q: [Tq, Hq, D]; attends to context positions [0, context_len), causally.

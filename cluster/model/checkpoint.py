@@ -4,7 +4,9 @@
         .config()          Hugging Face config.json fields (a GGUF's are mapped from its metadata)
         .eos_token_ids()   every token that ends a generation
         .tokenizer()       the serving Tokenizer
-        .tensors()         (Hugging Face parameter name, tensor), each read once, in file order
+        .tensors(select)   (Hugging Face parameter name, tensor), each read once, in file order;
+                           `select(name)` -> (dim, start, stop) reads only that slice (a
+                           tensor-parallel rank's shard), None the whole tensor
 
 Everything above this module (the loader, the engine, the gateway's input processor)
 sees only this interface, so a new format is one new class here.
@@ -13,7 +15,7 @@ sees only this interface, so a new format is one new class here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +26,10 @@ from cluster.tokenizer import Tokenizer
 
 class ModelLoadError(RuntimeError):
     pass
+
+
+Slice = tuple[int, int, int]  # (dimension, start, stop)
+SliceSelector = Callable[[str], Slice | None]
 
 
 def read_json(path: Path) -> dict:
@@ -50,7 +56,7 @@ class Checkpoint:
     def num_tensors(self) -> int:
         raise NotImplementedError
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, select: SliceSelector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
 
@@ -83,11 +89,17 @@ class HFCheckpoint(Checkpoint):
                 total += len(f.keys())
         return total
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, select: SliceSelector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for path in _weight_files(self.path):
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    part = select(name) if select else None
+                    if part is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    dim, start, stop = part  # safetensors reads only the slice from the file
+                    stored = f.get_slice(name)
+                    yield name, stored[start:stop] if dim == 0 else stored[:, start:stop]
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

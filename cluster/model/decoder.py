@@ -10,30 +10,34 @@ import torch
 from torch import nn
 
 from cluster.model.attention import Attention, AttentionMetadata
+from cluster.model.embedding import VocabEmbedding
 from cluster.model.families import ModelArch
 from cluster.model.linear import Linear
 from cluster.model.mlp import GatedMLP
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
+from cluster.parallel.group import SINGLE, TensorParallelGroup
+from cluster.parallel.sharding import Shard, shard_of
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, shard: Shard, group: TensorParallelGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(
             arch.hidden_size,
-            arch.num_heads,
-            arch.num_kv_heads,
+            shard.num_heads,
+            shard.num_kv_heads,
             arch.head_dim,
             rotary,
             qkv_bias=arch.qkv_bias,
             qk_norm_eps=arch.rms_norm_eps if arch.qk_norm else None,
+            group=group,
         )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = GatedMLP(arch.hidden_size, shard.intermediate_size, group)
 
     def forward(self, h, positions, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         # h: [T, hidden]
@@ -44,20 +48,24 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     """Hugging Face's `model.*` submodule: embeddings, layers, final norm."""
 
-    def __init__(self, arch: ModelArch, max_positions: int):
+    def __init__(self, arch: ModelArch, max_positions: int, shard: Shard, group: TensorParallelGroup):
         super().__init__()
         rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary) for _ in range(arch.num_layers))
+        self.embed_tokens = VocabEmbedding(shard.vocab_rows, arch.hidden_size, shard.vocab_start, group)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, shard, group) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, max_positions: int):
+    """One tensor-parallel rank's part of the model (all of it when `group` has one rank)."""
+
+    def __init__(self, arch: ModelArch, max_positions: int, group: TensorParallelGroup = SINGLE):
         super().__init__()
         self.arch = arch
-        self.model = DecoderBody(arch, max_positions)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.group = group
+        self.shard = shard_of(arch, group.rank, group.size)
+        self.model = DecoderBody(arch, max_positions, self.shard, group)
+        self.lm_head = Linear(arch.hidden_size, self.shard.vocab_rows, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -90,5 +98,6 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [N, hidden] -> [N, vocab] fp32
-        return self.lm_head(h).float()
+        # h: [N, hidden] -> [N, vocab] fp32 (vocab-parallel: every rank's rows, gathered)
+        logits = self.group.all_gather_last(self.lm_head(h).float())
+        return logits[:, : self.arch.vocab_size] if self.group.is_parallel else logits

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from cluster.gguf_tokenizer import build_tokenizer, read_vocab
-from cluster.model.checkpoint import Checkpoint, ModelLoadError
+from cluster.model.checkpoint import Checkpoint, ModelLoadError, Slice, SliceSelector
 from cluster.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -178,25 +179,45 @@ class GGUFCheckpoint(Checkpoint):
     def num_tensors(self) -> int:
         return sum(1 for name in self._tensors if hf_name(name) is not None)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        heads, kv_heads = self._config["num_attention_heads"], self._config["num_key_value_heads"]
+    def tensors(self, select: SliceSelector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        head_dim = self._config["head_dim"]
         for name, t in self._tensors.items():
             target = hf_name(name)
             if target is None:
                 if name != ROPE_FREQS:  # read into the config
                     log.warning("%s: ignoring tensor %s", self.path, name)
                 continue
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+            data, shape, rest = _raw_part(t, shape, select(target) if select else None)
             try:
-                values = dequantize(t.data, t.tensor_type)
+                values = dequantize(data, t.tensor_type)
             except Exception as e:  # noqa: BLE001 - data cut short or inconsistent with its header
                 raise ModelLoadError(f"{self.path}: tensor {name} is unreadable (truncated or corrupt?): {e}") from None
-            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
             if values.size != int(np.prod(shape)):
                 raise ModelLoadError(f"{self.path}: tensor {name} holds {values.size} values, its header says {shape}")
             values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
             tensor = torch.from_numpy(values if values.flags.writeable else values.copy())  # F32 data is a read-only map
-            if self.arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_q.bias")):
-                tensor = _unpermute(tensor, heads)
-            elif self.arch in PERMUTED_QK and name.endswith(("attn_k.weight", "attn_k.bias")):
-                tensor = _unpermute(tensor, kv_heads)
+            if rest is not None:
+                dim, start, stop = rest
+                tensor = tensor.narrow(dim, start, stop - start).contiguous()
+            if self.arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+                tensor = _unpermute(tensor, tensor.shape[0] // head_dim)  # whole heads, also in a rank's slice
             yield target, tensor
+
+
+def _raw_part(t, shape: tuple[int, ...], part: Slice | None) -> tuple[np.ndarray, tuple[int, ...], Slice | None]:
+    """The stored bytes of only `part` of tensor `t` where they can be cut out before
+    dequantizing: whole rows, or column ranges on quantization-block boundaries. Returns
+    (data, its shape, what is still to be cut after dequantizing)."""
+    if part is None:
+        return t.data, shape, None
+    dim, start, stop = part
+    if dim == 0 and t.data.shape[0] == shape[0]:  # a row's values are stored together
+        return t.data[start:stop], (stop - start, *shape[1:]), None
+    block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+    if dim == 1 and t.data.ndim == 2 and start % block == 0 and stop % block == 0:
+        columns = slice(start // block * block_bytes, stop // block * block_bytes)
+        if t.data.dtype != np.uint8:  # unquantized types are stored as typed values
+            columns = slice(start, stop)
+        return t.data[:, columns], (shape[0], stop - start), None
+    return t.data, shape, part

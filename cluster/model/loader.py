@@ -21,6 +21,8 @@ from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch
 from cluster.model.gguf_checkpoint import GGUFCheckpoint
 from cluster.model.rotary import RotaryEmbedding
+from cluster.parallel.group import SINGLE, TensorParallelGroup
+from cluster.parallel.sharding import VOCAB_TENSORS, tensor_slice
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +91,14 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
 
 
 def load_model(
-    checkpoint: Checkpoint | str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None
+    checkpoint: Checkpoint | str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    group: TensorParallelGroup = SINGLE,
 ) -> LoadedModel:
+    """The whole model, or with a tensor-parallel `group` this rank's shard of it (read
+    from the checkpoint alone: other ranks' slices are never loaded)."""
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = open_checkpoint(checkpoint)
     config = checkpoint.config()
@@ -99,7 +107,7 @@ def load_model(
     max_len = resolve_max_model_len(max_model_len, arch)
 
     with torch.device("meta"):
-        model = CausalLM(arch, max_positions=max_len)
+        model = CausalLM(arch, max_positions=max_len, group=group)
     model.to_empty(device=device).to(torch_dtype)
     model.tie_weights()
     for module in model.modules():  # the fp32 rotary table is derived, not loaded
@@ -115,8 +123,10 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch) -> N
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    with tqdm(total=checkpoint.num_tensors(), desc=f"Loading {checkpoint.path.name}", unit="tensor", disable=None) as bar:
-        for name, tensor in checkpoint.tensors():
+    shard = model.shard
+    desc = f"Loading {checkpoint.path.name}" + (f" (rank {shard.rank} of {shard.size})" if shard.size > 1 else "")
+    with tqdm(total=checkpoint.num_tensors(), desc=desc, unit="tensor", disable=None) as bar:
+        for name, tensor in checkpoint.tensors(lambda n: tensor_slice(n, arch, shard)):
             bar.update()
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and arch.tie_word_embeddings):
                 continue
@@ -124,9 +134,16 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch) -> N
             if param is None:
                 unexpected.append(name)
                 continue
-            if tensor.shape != param.shape:
+            rows = tensor.shape[0]
+            # The last vocab-parallel shard may have fewer rows than the others: zero-padded.
+            padded = name in VOCAB_TENSORS and tensor.shape[1:] == param.shape[1:] and rows < param.shape[0]
+            if tensor.shape != param.shape and not padded:
                 raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            if padded:
+                param.data.zero_()
+                param.data[:rows].copy_(tensor)
+            else:
+                param.data.copy_(tensor)
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing or unexpected:

@@ -4,12 +4,17 @@ import torch
 from torch import nn
 
 from cluster.model.linear import Linear, fuse_linears
+from cluster.parallel.group import SINGLE, TensorParallelGroup
 from kernels import silu_and_mul
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """Tensor-parallel: gate/up hold this rank's intermediate rows, down_proj the matching
+    columns; the ranks' partial outputs are summed."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, group: TensorParallelGroup = SINGLE):
         super().__init__()
+        self.group = group
         # Loaded under their Hugging Face names, then fused into gate_up_proj by fuse().
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
@@ -22,5 +27,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.group.all_reduce_(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 

@@ -1,0 +1,146 @@
+"""A tensor-parallel replica's ranks 1..N-1: Ray actors that hold their model and KV-cache
+shards and run every step rank 0 plans. Rank 0 is the engine's own process (it
+schedules, samples and streams); `TensorParallelRanks` is its handle on the others.
+
+    rank 0 (Engine)                                   rank r (RankWorker actor)
+    host the rendezvous store; start the actors --->  join the group; load shard r
+    join the group; load shard 0                      follow(): loop
+    step: broadcast plan, forward, gather logits <--> receive plan, forward, all-gather
+    close: broadcast None, kill the actors            loop ends
+
+Placement: inside a Serve replica whose deployment has a placement group (one bundle
+per rank, STRICT_PACK by default), rank r takes bundle r; elsewhere (`pdserve generate`,
+`pdserve bench engine`) a placement group of the other ranks is made here. Every rank
+sets its own torch thread count; on GPU each rank gets one device.
+
+A rank that dies (or stalls past the group timeout) fails rank 0's next collective:
+RankLostError, the engine stops, and `check` tells the worker's health check so that
+Serve replaces the whole replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import ray
+import ray.util
+import torch
+from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import EngineConfig
+from cluster.errors import RankLostError
+from cluster.host_memory import keep_freed_memory
+from cluster.parallel.group import TensorParallelGroup
+
+log = logging.getLogger(__name__)
+
+# A rank runs its step loop and, in other threads, its KV transfers and stats calls.
+RANK_ACTOR_CONCURRENCY = 16
+
+
+@ray.remote(max_concurrency=RANK_ACTOR_CONCURRENCY)
+class RankWorker:
+    def __init__(self, config: EngineConfig, rank: int, address: tuple[str, int]):
+        from cluster.engine.runner import ModelRunner  # the engine package imports this module
+        from cluster.model.loader import load_model
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory()
+        self.rank = rank
+        self.config = config
+        size = config.tensor_parallel_size
+        self.group = TensorParallelGroup.join(address, rank, size, config.device, config.tp_timeout_s)
+        loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, self.group)
+        self.shard = loaded.model.shard
+        self.runner = ModelRunner(loaded, config.cache.num_blocks, config.cache.block_size, config.device)
+
+    def follow(self) -> None:
+        """Run rank 0's steps until it stops; raises RankLostError if rank 0 is lost."""
+        while self.runner.follow():
+            pass
+        self.group.close()
+
+    def info(self) -> dict:
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(),
+            "torch_threads": torch.get_num_threads(),
+            "kv_heads": list(self.shard.kv_heads),
+        }
+
+
+class TensorParallelRanks:
+    """Rank 0's handle on ranks 1..N-1 of its replica."""
+
+    def __init__(self, config: EngineConfig):
+        """Start the other ranks and join the group with them (blocks until they joined).
+        `config` is resolved: the same dtype and block count on every rank."""
+        size = config.tensor_parallel_size
+        if not ray.is_initialized():  # offline use: a local Ray for the rank processes
+            ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False, log_to_driver=False)
+        host = ray.util.get_node_ip_address()
+        store, address = TensorParallelGroup.host(host, config.tp_timeout_s)
+        self._own_pg: PlacementGroup | None = None
+        self.actors = [
+            RankWorker.options(**self._placement(config, rank)).remote(config, rank, address) for rank in range(1, size)
+        ]
+        self.group = TensorParallelGroup.join(address, 0, size, config.device, config.tp_timeout_s, store=store)
+        self._loops: list[ray.ObjectRef] = []
+
+    def _placement(self, config: EngineConfig, rank: int) -> dict:
+        size = config.tensor_parallel_size
+        pg = get_current_placement_group()
+        if pg is not None and len(pg.bundle_specs) >= size:  # a Serve replica's: bundle r is rank r's
+            bundle, index = pg.bundle_specs[rank], rank
+        else:
+            if self._own_pg is None:
+                gpu = {"GPU": 1} if config.device.startswith("cuda") else {}
+                self._own_pg = placement_group([{"CPU": 1, **gpu}] * (size - 1), strategy=config.tp_placement)
+                ray.get(self._own_pg.ready(), timeout=config.tp_timeout_s)
+            pg, bundle, index = self._own_pg, self._own_pg.bundle_specs[rank - 1], rank - 1
+        return {
+            "num_cpus": bundle.get("CPU", 0),
+            "num_gpus": bundle.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+        }
+
+    def start(self) -> None:
+        """The other ranks loaded their shards: start their step loops."""
+        self._loops = [a.follow.remote() for a in self.actors]
+
+    def check(self) -> None:
+        """RankLostError if a rank's loop has ended (its process died, or it lost rank 0)."""
+        done, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - ActorDiedError, RankLostError, ...
+                raise RankLostError(f"a tensor-parallel rank is lost: {e}") from None
+            raise RankLostError("a tensor-parallel rank stopped following rank 0")
+
+    def info(self) -> list[dict]:
+        return ray.get([a.info.remote() for a in self.actors], timeout=10)
+
+    def close(self, stop_followers) -> None:
+        """Stop the ranks (`stop_followers` releases their loops), then their processes."""
+        try:
+            stop_followers()
+        except RankLostError:
+            pass  # a rank is gone: nothing to tell the others, they are killed below
+        for actor in self.actors:
+            ray.kill(actor)
+        self.group.close()
+        if self._own_pg is not None:
+            remove_placement_group(self._own_pg)
+
+
+def resolved(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> EngineConfig:
+    """`config` with what rank 0 decided for every rank: the dtype and the KV block count."""
+    name = str(dtype).removeprefix("torch.")
+    return dataclasses.replace(config, dtype=name, cache=dataclasses.replace(config.cache, num_blocks=num_blocks))
