@@ -10,7 +10,6 @@ ClusterConfig in plain data.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.metadata
 
@@ -30,7 +29,18 @@ def tier_options(tier: TierConfig) -> dict:
     if tier.resources:
         actor_options["resources"] = dict(tier.resources)
     scaling = {"autoscaling_config": tier.autoscaling} if tier.autoscaling else {"num_replicas": tier.num_replicas}
+    placement = {}
+    if tier.tensor_parallel_size > 1:
+        # One bundle per rank: the replica actor (rank 0) takes bundle 0, rank r bundle r
+        # (cluster/parallel/ranks.py); Serve reserves the group with the replica.
+        bundle = {k: v for k, v in (("CPU", tier.num_cpus), ("GPU", tier.num_gpus)) if v}
+        bundle.update(tier.resources or {})
+        placement = {
+            "placement_group_bundles": [dict(bundle) for _ in range(tier.tensor_parallel_size)],
+            "placement_group_strategy": tier.placement_strategy,
+        }
     return {
+        **placement,
         "ray_actor_options": actor_options,
         "max_ongoing_requests": tier.max_ongoing_requests,
         "graceful_shutdown_timeout_s": tier.drain_timeout_s,  # Serve waits this long for running requests
@@ -70,21 +80,18 @@ def build_app(config: ClusterConfig) -> Application:
         # config deploys pass one (Ray is pinned, see pyproject.toml).
         return d.options(version=code_version(cls.__name__, *args), _internal=True)
 
-    def engine_for(tier: TierConfig):
-        return dataclasses.replace(config.engine, num_threads=tier.torch_threads)
-
     gateway_args = (config.engine, config.gateway, config.routing, config.redis_url)
     # The gateway config's repr leaves out the API keys; their digest still versions it.
     gateway_version = (*gateway_args, hashlib.sha256("\n".join(config.gateway.api_keys).encode()).hexdigest())
     if config.colocated:
-        decode_args = (engine_for(config.decode), config.transport)
+        decode_args = (config.engine_for(config.decode), config.transport)
         decode = deployment(DecodeWorker, config.decode, *decode_args, config.redis_url).bind(
             *decode_args, redis_url=config.redis_url
         )
         return deployment(Gateway, config.router, *gateway_version, "colocated").bind(*gateway_args, decode)
-    prefill_args = (engine_for(config.prefill), config.transport, config.redis_url)
+    prefill_args = (config.engine_for(config.prefill), config.transport, config.redis_url)
     prefill = deployment(PrefillWorker, config.prefill, *prefill_args).bind(*prefill_args)
-    decode_args = (engine_for(config.decode), config.transport)
+    decode_args = (config.engine_for(config.decode), config.transport)
     decode = deployment(DecodeWorker, config.decode, *decode_args, config.redis_url, "disaggregated").bind(
         *decode_args, prefill, redis_url=config.redis_url
     )

@@ -50,6 +50,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         cache=CacheConfig(memory_gib=args.kv_cache_gib),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = Engine(config)
     prompt = args.prompt if args.chat is None else engine.tokenizer.encode_chat([{"role": "user", "content": args.chat}])
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPES, default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-gib", type=float, default=1.0)
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (per tensor-parallel rank)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (processes, or GPUs) the model is split over")
     g.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
     g.set_defaults(fn=_cmd_generate)
 
@@ -118,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--input-len", type=int, default=256)
     be.add_argument("--output-len", type=int, default=64)
     be.add_argument("--batch-sizes", default="1,16")
-    be.add_argument("--threads", type=int, default=None)
+    be.add_argument("--threads", type=int, default=None, help="torch threads (per tensor-parallel rank)")
+    be.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over")
     be.add_argument("--rounds", type=int, default=3, help="alternating rounds per system; medians reported")
     be.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     be.add_argument("--result-dir", default="bench-results")

@@ -122,7 +122,11 @@ class TierConfig:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict | None = None  # custom resources, e.g. {"prefill_node": 0.01} to pin a tier to its nodes
-    torch_threads: int = 1  # torch intra-op threads per replica (replicas share the cores)
+    torch_threads: int = 1  # torch intra-op threads per replica rank (replicas share the cores)
+    # Tensor parallelism: ranks per replica, each a process with `num_cpus`/`num_gpus` of its
+    # own (one bundle of the replica's placement group; STRICT_PACK keeps them on one node).
+    tensor_parallel_size: int = 1
+    placement_strategy: str = "STRICT_PACK"
     # Requests Serve hands one replica at once (Serve's default is 5). Workers queue
     # inside their engine and the gateway admits on its own limits, so this is only a
     # ceiling; too low a value would silently cap the decode batch.
@@ -135,6 +139,10 @@ class TierConfig:
     def __post_init__(self) -> None:
         if self.num_replicas < 0 or self.torch_threads < 1 or self.max_ongoing_requests < 1:
             raise ValueError("num_replicas must be >= 0, torch_threads and max_ongoing_requests >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
 
@@ -208,6 +216,19 @@ class ClusterConfig:
     redis_url: str | None = None
     gateway: GatewayConfig = GatewayConfig()
     routing: RoutingConfig = RoutingConfig()
+
+    def __post_init__(self) -> None:
+        if self.engine.tensor_parallel_size != 1:  # it would be silently overridden by the tiers'
+            raise ValueError("set tensor_parallel_size per tier (prefill, decode), not on the engine")
+
+    def engine_for(self, tier: TierConfig) -> EngineConfig:
+        """The engine config of one tier's replicas: its threads and its TP layout."""
+        return dataclasses.replace(
+            self.engine,
+            num_threads=tier.torch_threads,
+            tensor_parallel_size=tier.tensor_parallel_size,
+            tp_placement=tier.placement_strategy,
+        )
 
 
 def from_dict(cls, data: dict):

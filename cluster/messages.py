@@ -36,7 +36,7 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     decode_id: str | None  # the decode worker waiting for the KV; None: the request ends here
-    decode_address: StoreAddress | None  # its rendezvous store
+    decode_addresses: tuple[StoreAddress, ...] | None  # its ranks' rendezvous stores (one per TP rank)
     num_cached_tokens: int  # prompt tokens the decode already holds (whole blocks)
     num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
     route: RouteHint = RouteHint()  # which prefill replica
@@ -47,8 +47,9 @@ class PrefillRequest:
 class PrefillResult:
     request_id: str
     prefill_id: str
-    session: str  # names the (prefill, decode) process group the KV travels on
+    session: str  # names the (prefill, decode) process groups the KV travels on
     transfer_id: int  # matches the decode's receive to this send (-1: nothing is sent)
+    prefill_tp: int  # the prefill replica's ranks: which of them send which KV heads
     first_token_id: int
     first_logprob: TokenLogprob | None
     output: RequestOutput | None = None  # the whole request's last delta, when it ended here

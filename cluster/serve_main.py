@@ -54,7 +54,7 @@ def cpus_requested(config) -> float:
     tiers = [(config.decode, config.decode.num_replicas), (config.router, config.router.num_replicas)]
     if not config.colocated:
         tiers.append((config.prefill, config.prefill.num_replicas))
-    return sum(t.num_cpus * n for t, n in tiers)
+    return sum(t.num_cpus * t.tensor_parallel_size * n for t, n in tiers)
 
 
 def run_serve(args) -> int:

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from cluster.config import DTYPES, FAILURE_POLICIES, ROUTING_POLICIES, ClusterConfig
+from cluster.config import DTYPES, FAILURE_POLICIES, PLACEMENT_STRATEGIES, ROUTING_POLICIES, ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,13 @@ SERVE_FLAGS = (
     Flag("--kv-cache-gib", ("engine.cache.memory_gib",), "KV cache per replica"),
     Flag("--prefill-replicas", ("prefill.num_replicas",), "prefill tier replicas"),
     Flag("--decode-replicas", ("decode.num_replicas",), "decode tier replicas"),
-    Flag("--torch-threads", ("prefill.torch_threads", "decode.torch_threads"), "torch threads per worker replica"),
+    Flag("--torch-threads", ("prefill.torch_threads", "decode.torch_threads"), "torch threads per worker replica rank"),
+    Flag("--tensor-parallel-size", ("prefill.tensor_parallel_size", "decode.tensor_parallel_size"),
+         "ranks (processes, or GPUs) each worker replica's model is split over; both tiers"),
+    Flag("--prefill-tp", ("prefill.tensor_parallel_size",), "tensor-parallel ranks per prefill replica"),
+    Flag("--decode-tp", ("decode.tensor_parallel_size",), "tensor-parallel ranks per decode (or colocated) replica"),
+    Flag("--tp-placement", ("prefill.placement_strategy", "decode.placement_strategy"),
+         "Ray placement of a replica's ranks (STRICT_PACK: one node)", PLACEMENT_STRATEGIES),
     Flag("--colocated", ("colocated",), "one engine per replica doing both phases (no prefill tier)"),
     Flag("--http-port", ("http_port",), "OpenAI HTTP API port"),
     Flag("--grpc-port", ("grpc_port",), "gRPC API port"),

@@ -1,7 +1,8 @@
 """What every worker replica shares, whatever its tier: its identity, its engine (one
-thread, `torch_threads` intra-op threads), its entry in the prefix index, its KV
-transport, its stats, and an orderly stop. prefill_worker/ and decode_worker/ add only
-what their tier does.
+thread, `torch_threads` intra-op threads per tensor-parallel rank), its entry in the
+prefix index, its KV transport (one per rank: each rank moves its own KV heads,
+cluster/kv/tp_transfer.py), its stats, its health, and an orderly stop.
+prefill_worker/ and decode_worker/ add only what their tier does.
 
 A worker's constructor arguments are only what the replica runs on: scaling a tier
 (num_replicas, autoscaling) must not change them, or Serve would restart the replicas.
@@ -17,7 +18,9 @@ from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.kv.prefix_index import IndexPublisher
-from cluster.kv.transport import FaultInjection, KVTransport
+from cluster.kv.tp_transfer import recv_pieces, send_pieces
+from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
+from cluster.parallel.sharding import kv_routes
 from cluster.routing import replica_unique_id, worker_id
 
 
@@ -29,8 +32,12 @@ class EngineWorker:
         `redis_url`: it publishes its prefix cache to the index there."""
         self.replica = replica_unique_id()
         self.worker_id = worker_id(self.tier, self.replica)
-        self.engine = AsyncEngine(Engine(engine_config))
-        self.kv_caches = self.engine.engine.runner.kv_caches
+        engine = Engine(engine_config)
+        self.engine = AsyncEngine(engine)
+        self.kv_caches = engine.runner.kv_caches
+        self.shard = engine.loaded.model.shard  # rank 0's; the other ranks are engine.ranks' actors
+        self.num_kv_heads = engine.loaded.arch.num_kv_heads
+        self._rank_actors = engine.ranks.actors if engine.ranks is not None else []
         self.block_size = engine_config.cache.block_size
         self.index = None
         if redis_url:
@@ -49,7 +56,55 @@ class EngineWorker:
                 shared_memory=transport.shared_memory,
                 fault_injection=FaultInjection(frozenset(transport.fail_transfer_ids), transport.fail_every_nth),
             )
+            others = [a.open_transport.remote(self.tier, self.worker_id, transport) for a in self._rank_actors]
+            self.rank_addresses = (self.transport.address, *ray.get(others))  # decode side: where each rank receives
+            self._transfer_wait_s = 4 * transport.timeout_s  # a rank's pieces: rendezvous + send, each bounded
         self._closed = False
+
+    # ---- KV hand-off, every rank at once (cluster/kv/tp_transfer.py) -------------------
+
+    def send_kv(self, decode_id: str, decode_addresses, session: str, block_ids: list[int], transfer_id: int) -> None:
+        """Send blocks to decode worker `decode_id` (as many ranks as addresses): each
+        rank of this replica sends its pieces. KVTransferError if any piece failed."""
+        routes = kv_routes(self.num_kv_heads, self.shard.size, len(decode_addresses))
+        self._on_every_rank(
+            [r for r in routes if r.src == 0],
+            lambda mine: send_pieces(
+                self.transport, self.kv_caches, self.shard.kv_head_start, mine, decode_id, decode_addresses, session,
+                block_ids, transfer_id,
+            ),
+            [[r for r in routes if r.src == rank] for rank in range(1, self.shard.size)],
+            lambda actor, pieces: actor.send_pieces.remote(pieces, decode_id, decode_addresses, session, block_ids, transfer_id),
+        )
+
+    def recv_kv(self, prefill_id: str, prefill_tp: int, session: str, block_ids: list[int], transfer_id: int) -> None:
+        """Receive blocks from prefill worker `prefill_id` (of `prefill_tp` ranks) on every
+        rank of this replica. KVTransferError if any piece failed."""
+        routes = kv_routes(self.num_kv_heads, prefill_tp, self.shard.size)
+        self._on_every_rank(
+            [r for r in routes if r.dst == 0],
+            lambda mine: recv_pieces(
+                self.transport, self.kv_caches, self.shard.kv_head_start, mine, prefill_id, session, block_ids, transfer_id
+            ),
+            [[r for r in routes if r.dst == rank] for rank in range(1, self.shard.size)],
+            lambda actor, pieces: actor.recv_pieces.remote(pieces, prefill_id, session, block_ids, transfer_id),
+        )
+
+    def _on_every_rank(self, mine, run_mine, theirs, start_theirs) -> None:
+        """Start the other ranks' pieces, run rank 0's here, then wait for all of them."""
+        refs = [start_theirs(actor, pieces) for actor, pieces in zip(self._rank_actors, theirs) if pieces]
+        error = None
+        try:
+            run_mine(mine)
+        except KVTransferError as e:
+            error = e
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=self._transfer_wait_s)
+            except Exception as e:  # noqa: BLE001 - the rank's KVTransferError (wrapped), or the rank is gone
+                error = error or KVTransferError(f"{self.worker_id}: a tensor-parallel rank's KV pieces failed: {e}")
+        if error is not None:
+            raise error
 
     def publish_soon(self) -> None:
         """The prefix cache just changed (blocks cached or freed): tell the index now
@@ -63,11 +118,30 @@ class EngineWorker:
             "worker_id": self.worker_id,
             "tier": self.tier,
             "pid": os.getpid(),
+            "ranks": self.engine.engine.rank_info(),  # fixed at start: no engine-thread call
             **await self.engine.call(Engine.checked_stats),
             **self.tier_stats(),
             "transport": self.transport.stats() if self.transport else {},
+            # Ranks 1..N-1 move their own KV heads, on transports of their own.
+            "rank_transports": [await self._rank_call(a.transport_stats) for a in self._rank_actors],
             "index": self.index.counts if self.index else {},
         }
+
+    @staticmethod
+    async def _rank_call(method) -> dict:
+        try:
+            return await method.remote()
+        except Exception as e:  # noqa: BLE001 - a lost rank: its stats say so, the others' still count
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a replica whose engine is dead (a tensor-parallel
+        rank lost) fails it, and Serve replaces the whole replica."""
+        if self.engine.dead is not None:
+            raise self.engine.dead
+        ranks = self.engine.engine.ranks
+        if ranks is not None:
+            ranks.check()
 
     def tier_stats(self) -> dict:
         return {}

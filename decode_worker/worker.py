@@ -6,8 +6,9 @@ KV it lacks, and streams tokens from its continuous batch.
         2. prefill.prefill(...)            -> first token, transfer id   (Ray call;
                                               if the prefill worker fails: policy)
         3. engine: accept the first token  -> its delta streams to the client at once
-        4. transport: receive the blocks   (bulk, over the pair's process group; runs
-                                            from step 2 on, in a receiver thread)
+        4. transport: receive the blocks   (bulk, over the pair's process groups, every
+                                            rank its KV heads; runs from step 2 on, in a
+                                            receiver thread)
         5. engine: commit (KV arrived, or recompute per policy) and stream deltas
 
 In colocated mode it runs both phases on its own engine (the baseline and reference).
@@ -120,7 +121,7 @@ class DecodeWorker(EngineWorker):
                         prompt_token_ids=req.prompt_token_ids,
                         params=req.params,
                         decode_id=self.worker_id,
-                        decode_address=self.transport.address,
+                        decode_addresses=self.rank_addresses,
                         num_cached_tokens=num_cached,
                         num_blocks=num_blocks,
                         route=route,
@@ -166,8 +167,7 @@ class DecodeWorker(EngineWorker):
     def _receive(self, result: PrefillResult, block_ids: list[int]) -> bool:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
         try:
-            self.transport.ensure_group(result.prefill_id, self.transport.address, result.session)
-            self.transport.recv_blocks(result.prefill_id, self.kv_caches, block_ids, result.transfer_id)
+            self.recv_kv(result.prefill_id, result.prefill_tp, result.session, block_ids, result.transfer_id)
             return True
         except KVTransferError as e:
             if self.policy == "fail":

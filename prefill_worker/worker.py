@@ -3,8 +3,9 @@ first token, and pushes the KV blocks a decode worker lacks.
 
     decode --prefill(req)--> PrefillWorker
                              1. engine: prompt with max_tokens=1, hold_kv  -> first token
-                             2. sender thread: blocks -> decode over the pair group,
-                                then release the held blocks (sent or failed)
+                             2. sender thread: every rank sends its KV heads of the
+                                blocks to the decode ranks that hold them (pair groups),
+                                then the held blocks are released (sent or failed)
     decode <--PrefillResult--  (returned at once; the decode's receive meets the send)
 
 The send never blocks the reply: the decode worker posts its receive when the reply
@@ -62,6 +63,7 @@ class PrefillWorker(EngineWorker):
             prefill_id=self.worker_id,
             session=self.session,
             transfer_id=transfer_id,
+            prefill_tp=self.shard.size,
             first_token_id=out.new_token_ids[0],
             first_logprob=out.logprobs[0] if out.logprobs else None,
         )
@@ -78,6 +80,7 @@ class PrefillWorker(EngineWorker):
             prefill_id=self.worker_id,
             session=self.session,
             transfer_id=-1,
+            prefill_tp=self.shard.size,
             first_token_id=out.new_token_ids[0],
             first_logprob=out.logprobs[0] if out.logprobs else None,
             output=out,
@@ -85,8 +88,7 @@ class PrefillWorker(EngineWorker):
 
     def _send_then_release(self, req: PrefillRequest, block_ids: list[int], transfer_id: int) -> None:
         try:
-            self.transport.ensure_group(req.decode_id, req.decode_address, self.session)
-            self.transport.send_blocks(req.decode_id, self.kv_caches, block_ids, transfer_id)
+            self.send_kv(req.decode_id, req.decode_addresses, self.session, block_ids, transfer_id)
         except KVTransferError as e:
             log.warning("KV transfer %d of %s failed: %s", transfer_id, req.request_id, e)
         except Exception:  # nobody awaits this thread: say what broke

@@ -66,7 +66,10 @@ def prefill_flops(engine: Engine, batch: int, input_len: int) -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    """The whole model's (tensor-parallel: rank 0's shard times the ranks, which read
+    theirs at the same time from the same memory)."""
+    shard = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    return shard * engine.loaded.model.shard.size
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -169,6 +172,7 @@ def run_engine_bench(args) -> int:
             model=args.model,
             dtype=args.dtype,
             num_threads=args.threads,
+            tensor_parallel_size=args.tensor_parallel_size,
             max_model_len=args.input_len + args.output_len + 16,
             cache=CacheConfig(memory_gib=2.0),
             # Each batch's prompts in one step, uncapped by the decode-latency budget: the
@@ -187,6 +191,7 @@ def run_engine_bench(args) -> int:
         "model": args.model,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "weight_bytes": wbytes,
@@ -215,6 +220,7 @@ def run_engine_bench(args) -> int:
             run.update({system: median_of(rs) for system, rs in rounds.items() if rs})
             run["pdserve"]["prefill_gflops"] = prefill_flops(engine, b, args.input_len) / run["pdserve"]["prefill_s"] / 1e9
             results["runs"].append(run)
+    engine.close()  # tensor parallel: the other ranks' processes
 
     print(f"\nweights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
     print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")
@@ -237,7 +243,7 @@ def run_engine_bench(args) -> int:
 
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"engine-{Path(args.model).name}-{args.dtype}"
+    stem = f"engine-{Path(args.model).name}-{args.dtype}" + (f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "")
     (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     plot_engine_bench(results, out_dir / f"{stem}.png")
     print(f"wrote {out_dir / stem}.json and .png")

@@ -7,7 +7,8 @@ aborts its request, which frees its blocks on the engine thread.
 
 A step that fails fails the requests it ran (their blocks freed) and the engine goes
 on; a step that cannot run again (EngineDeadError: a tensor-parallel rank is lost) also
-refuses all later work with that error, and `dead` tells the worker's health check.
+refuses every later request with that error (calls still run: stats, aborts), and `dead`
+tells the worker's health check.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class AsyncEngine:
         generated: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas until the request finishes. Bad input raises before any work."""
-        self._check_open()
+        self._check_alive()
         params = params or SamplingParams()
         ids = self.engine.inputs.process(prompt, params)  # in the caller: bad input costs no engine time
         request_id = request_id or f"async-{next(self._ids)}"
@@ -120,6 +121,10 @@ class AsyncEngine:
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
 
         def start(engine: Engine) -> None:
+            if self.dead is not None:  # it would never step
+                engine.abort(request_id)
+                sink.put(EngineDeadError(f"engine is dead: {self.dead}"))
+                return
             if not join(engine):
                 sink.put(EngineDeadError(f"request {request_id} was not waiting for KV"))
                 return
@@ -143,10 +148,14 @@ class AsyncEngine:
                 self._post(_Abort(request_id))
 
     def _check_open(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead}")
         if self._closed:
             raise EngineDeadError("engine is shut down")
+
+    def _check_alive(self) -> None:
+        """New requests need an engine that can still step."""
+        self._check_open()
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead}")
 
     def abort(self, request_id: str) -> None:
         self._post(_Abort(request_id))
@@ -221,13 +230,10 @@ class AsyncEngine:
                 future.set_result(result)
 
         result, error = None, None
-        if self.dead is not None:  # nothing may start on a dead engine (it would never step)
-            error = EngineDeadError(f"engine is dead: {self.dead}")
-        else:
-            try:
-                result = msg.fn(self.engine)
-            except Exception as e:
-                error = e
+        try:
+            result = msg.fn(self.engine)
+        except Exception as e:
+            error = e
         try:
             msg.loop.call_soon_threadsafe(resolve, msg.future, result, error)
         except RuntimeError:  # the caller's loop is closed

@@ -355,7 +355,7 @@ class Engine:
             "torch_threads": torch.get_num_threads(),
             "kv_heads": list(self.loaded.model.shard.kv_heads),
         }
-        return [here, *(self.ranks.info() if self.ranks is not None else [])]
+        return [here, *(self.ranks.info if self.ranks is not None else [])]
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (idempotent; nothing to do with one rank)."""

@@ -30,9 +30,13 @@ import torch
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, TransportConfig
+from cluster.engine.runner import ModelRunner
 from cluster.errors import RankLostError
 from cluster.host_memory import keep_freed_memory
+from cluster.kv.tp_transfer import rank_peer_id, recv_pieces, send_pieces
+from cluster.kv.transport import FaultInjection, KVTransport
+from cluster.model.loader import load_model
 from cluster.parallel.group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
@@ -44,9 +48,6 @@ RANK_ACTOR_CONCURRENCY = 16
 @ray.remote(max_concurrency=RANK_ACTOR_CONCURRENCY)
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int, address: tuple[str, int]):
-        from cluster.engine.runner import ModelRunner  # the engine package imports this module
-        from cluster.model.loader import load_model
-
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -58,12 +59,42 @@ class RankWorker:
         loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, self.group)
         self.shard = loaded.model.shard
         self.runner = ModelRunner(loaded, config.cache.num_blocks, config.cache.block_size, config.device)
+        self.transport = None
+
+    # ---- KV transfers: this rank's pieces of a hand-off (cluster/kv/tp_transfer.py) ----
+
+    def open_transport(self, role: str, worker_id: str, transport: TransportConfig) -> tuple[str, int] | None:
+        """This rank's KV transport; returns its rendezvous address (decode side)."""
+        self.transport = KVTransport(
+            role,
+            rank_peer_id(worker_id, self.rank),
+            self.config.device,
+            timeout_s=transport.timeout_s,
+            host=ray.util.get_node_ip_address(),
+            shared_memory=transport.shared_memory,
+            fault_injection=FaultInjection(frozenset(transport.fail_transfer_ids), transport.fail_every_nth),
+        )
+        return self.transport.address
+
+    def send_pieces(self, pieces, decode_id, decode_addresses, session, block_ids, transfer_id) -> None:
+        send_pieces(
+            self.transport, self.runner.kv_caches, self.shard.kv_head_start, pieces, decode_id, decode_addresses, session,
+            block_ids, transfer_id,
+        )
+
+    def recv_pieces(self, pieces, prefill_id, session, block_ids, transfer_id) -> None:
+        recv_pieces(self.transport, self.runner.kv_caches, self.shard.kv_head_start, pieces, prefill_id, session, block_ids, transfer_id)
+
+    def transport_stats(self) -> dict:
+        return self.transport.stats() if self.transport is not None else {}
 
     def follow(self) -> None:
         """Run rank 0's steps until it stops; raises RankLostError if rank 0 is lost."""
         while self.runner.follow():
             pass
         self.group.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def info(self) -> dict:
         return {
@@ -92,6 +123,8 @@ class TensorParallelRanks:
         ]
         self.group = TensorParallelGroup.join(address, 0, size, config.device, config.tp_timeout_s, store=store)
         self._loops: list[ray.ObjectRef] = []
+        self._timeout_s = config.tp_timeout_s
+        self.info: list[dict] = []  # ranks 1..N-1: pid, node, threads, KV heads
 
     def _placement(self, config: EngineConfig, rank: int) -> dict:
         size = config.tensor_parallel_size
@@ -111,7 +144,8 @@ class TensorParallelRanks:
         }
 
     def start(self) -> None:
-        """The other ranks loaded their shards: start their step loops."""
+        """Once the other ranks loaded their shards: note who they are, start their step loops."""
+        self.info = ray.get([a.info.remote() for a in self.actors], timeout=self._timeout_s)
         self._loops = [a.follow.remote() for a in self.actors]
 
     def check(self) -> None:
@@ -123,9 +157,6 @@ class TensorParallelRanks:
             except Exception as e:  # noqa: BLE001 - ActorDiedError, RankLostError, ...
                 raise RankLostError(f"a tensor-parallel rank is lost: {e}") from None
             raise RankLostError("a tensor-parallel rank stopped following rank 0")
-
-    def info(self) -> list[dict]:
-        return ray.get([a.info.remote() for a in self.actors], timeout=10)
 
     def close(self, stop_followers) -> None:
         """Stop the ranks (`stop_followers` releases their loops), then their processes."""

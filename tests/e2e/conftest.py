@@ -4,7 +4,8 @@ clients (the `openai` SDK, generated gRPC stubs, httpx, schemathesis).
 One cluster per module: local Ray, a private redis-server, 1 prefill + 1 decode worker
 and the gateway, with an API key. `redeploy(gateway=...)` swaps the gateway's limits;
 the workers keep running (their arguments do not change, so Serve keeps them);
-`redeploy(engine=...)` restarts them on another checkpoint (same tokenizer).
+`redeploy(engine=...)` restarts them on another checkpoint (same tokenizer), and
+`redeploy(prefill_tp=..., decode_tp=...)` on that many tensor-parallel ranks per replica.
 """
 
 import dataclasses
@@ -49,11 +50,13 @@ class LiveCluster:
         decodes: int = 1,
         drain_timeout_s: float = 30.0,
         engine: EngineConfig | None = None,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
     ):
         config = ClusterConfig(
             engine=engine or self.engine_config,
-            prefill=TierConfig(num_replicas=prefills, num_cpus=0.5),
-            decode=TierConfig(num_replicas=decodes, num_cpus=0.5, drain_timeout_s=drain_timeout_s),
+            prefill=TierConfig(num_replicas=prefills, num_cpus=0.5, tensor_parallel_size=prefill_tp),
+            decode=TierConfig(num_replicas=decodes, num_cpus=0.5, drain_timeout_s=drain_timeout_s, tensor_parallel_size=decode_tp),
             router=TierConfig(num_replicas=gateways, num_cpus=0.1),
             transport=transport,
             redis_url=redis_url or self.redis.url,

@@ -1,0 +1,89 @@
+"""A KV hand-off between a prefill replica of p tensor-parallel ranks and a decode replica
+of d ranks, for any p and d the model's KV heads allow (cluster/parallel/sharding.py).
+
+    kv_routes(Hk, p, d) -> pieces (src rank, dst rank, KV heads [start, stop))
+
+Each piece is one ordinary transfer (cluster/kv/transport.py) between the two ranks'
+own transports, of a head slice of the same blocks: the source packs the piece's heads
+out of its cache shard, the destination writes them into its shard. Every rank moves
+its own pieces, all at once, so nothing is gathered through one rank. Block ids are the
+same on every rank of a replica (rank 0's block table), and the transfer id is the
+same for every piece: at most one piece joins a pair of ranks, so tags stay unique.
+
+With p = d = 1 this is one piece of all heads between the two workers' rank 0: the
+transfer of a single-device replica, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from cluster.kv.transport import KVCaches, KVTransport, StoreAddress
+from cluster.parallel.sharding import HeadRoute
+
+
+def rank_peer_id(worker_id: str, rank: int) -> str:
+    """The transport identity of a worker's rank (rank 0 is the worker itself)."""
+    return worker_id if rank == 0 else f"{worker_id}/rank{rank}"
+
+
+def head_view(kv_caches: KVCaches, kv_head_start: int, route: HeadRoute) -> KVCaches:
+    """Views of this rank's caches holding only the piece's heads (no copy)."""
+    lo, hi = route.start - kv_head_start, route.stop - kv_head_start
+    return [(k[:, :, lo:hi], v[:, :, lo:hi]) for k, v in kv_caches]
+
+
+def send_pieces(
+    transport: KVTransport,
+    kv_caches: KVCaches,
+    kv_head_start: int,
+    pieces: Sequence[HeadRoute],
+    decode_id: str,
+    decode_addresses: Sequence[StoreAddress],
+    session: str,
+    block_ids: Sequence[int],
+    transfer_id: int,
+) -> None:
+    """Send this rank's pieces to their decode ranks; KVTransferError if any failed."""
+
+    def send(route: HeadRoute) -> None:
+        peer = rank_peer_id(decode_id, route.dst)
+        transport.ensure_group(peer, decode_addresses[route.dst], session)
+        transport.send_blocks(peer, head_view(kv_caches, kv_head_start, route), block_ids, transfer_id)
+
+    _each(send, pieces)
+
+
+def recv_pieces(
+    transport: KVTransport,
+    kv_caches: KVCaches,
+    kv_head_start: int,
+    pieces: Sequence[HeadRoute],
+    prefill_id: str,
+    session: str,
+    block_ids: Sequence[int],
+    transfer_id: int,
+) -> None:
+    """Receive this rank's pieces from their prefill ranks; KVTransferError if any failed
+    (the blocks of the pieces that did arrive are then recomputed or dropped anyway)."""
+
+    def recv(route: HeadRoute) -> None:
+        peer = rank_peer_id(prefill_id, route.src)
+        transport.ensure_group(peer, transport.address, session)
+        transport.recv_blocks(peer, head_view(kv_caches, kv_head_start, route), block_ids, transfer_id)
+
+    _each(recv, pieces)
+
+
+def _each(fn: Callable[[HeadRoute], None], pieces: Sequence[HeadRoute]) -> None:
+    """fn on every piece, concurrently; the first error is raised after all have ended."""
+    if len(pieces) <= 1:
+        for piece in pieces:
+            fn(piece)
+        return
+    with ThreadPoolExecutor(max_workers=len(pieces), thread_name_prefix="kv-piece") as pool:
+        futures = [pool.submit(fn, piece) for piece in pieces]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
