@@ -32,7 +32,7 @@ def tier_options(tier: TierConfig) -> dict:
     placement = {}
     if tier.tensor_parallel_size > 1:
         # One bundle per rank: the replica actor (rank 0) takes bundle 0, rank r bundle r
-        # (cluster/parallel/ranks.py); Serve reserves the group with the replica.
+        # (cluster/engine/tp_ranks.py); Serve reserves the group with the replica.
         bundle = {k: v for k, v in (("CPU", tier.num_cpus), ("GPU", tier.num_gpus)) if v}
         bundle.update(tier.resources or {})
         placement = {

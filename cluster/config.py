@@ -65,7 +65,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = CacheConfig()  # memory_gib: per rank
     scheduler: SchedulerConfig = SchedulerConfig()
-    # Tensor parallelism (cluster/parallel/): ranks per replica, one torch process group;
+    # Tensor parallelism (cluster/engine/tp_ranks.py): ranks per replica, one torch process group;
     # num_threads applies to each rank. Ranks are placed by a Ray placement group.
     tensor_parallel_size: int = 1
     tp_placement: str = "STRICT_PACK"  # STRICT_PACK: a replica's ranks share a node

@@ -20,7 +20,7 @@ from cluster.engine.engine import Engine
 from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.tp_transfer import recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
-from cluster.parallel.sharding import kv_routes
+from cluster.model.sharding import kv_routes
 from cluster.routing import replica_unique_id, worker_id
 
 

@@ -29,14 +29,14 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
 from cluster.engine.step_times import StepTimes
+from cluster.engine.tp_ranks import TensorParallelRanks, resolved
 from cluster.errors import InvalidRequestError
 from cluster.host_memory import keep_freed_memory
 from cluster.kv.block_pool import BlockPool
 from cluster.model.families import parse_arch
 from cluster.model.loader import load_model, open_checkpoint, resolve_dtype, resolve_max_model_len
-from cluster.parallel.group import SINGLE
-from cluster.parallel.ranks import TensorParallelRanks, resolved
-from cluster.parallel.sharding import shard_of
+from cluster.model.sharding import shard_of
+from cluster.model.tp_group import SINGLE
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from cluster.engine.scheduler import SchedulerOutput
 from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.families import ModelArch
 from cluster.model.loader import LoadedModel
-from cluster.parallel.sharding import Shard
+from cluster.model.sharding import Shard
 from kernels import decode_gather
 
 

@@ -1,5 +1,5 @@
 """A KV hand-off between a prefill replica of p tensor-parallel ranks and a decode replica
-of d ranks, for any p and d the model's KV heads allow (cluster/parallel/sharding.py).
+of d ranks, for any p and d the model's KV heads allow (cluster/model/sharding.py).
 
     kv_routes(Hk, p, d) -> pieces (src rank, dst rank, KV heads [start, stop))
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.kv.transport import KVCaches, KVTransport, StoreAddress
-from cluster.parallel.sharding import HeadRoute
+from cluster.model.sharding import HeadRoute
 
 
 def rank_peer_id(worker_id: str, rank: int) -> str:

@@ -23,7 +23,7 @@ from cluster.cpu_features import detect
 from cluster.model.linear import Linear, fuse_linears
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
-from cluster.parallel.group import SINGLE, TensorParallelGroup
+from cluster.model.tp_group import SINGLE, TensorParallelGroup
 from kernels import DecodeGather, paged_attention_decode, store_kv
 
 
@@ -57,7 +57,7 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Tensor-parallel: this rank's query heads and the KV heads they read (cluster/parallel/
+    """Tensor-parallel: this rank's query heads and the KV heads they read (cluster/model/
     sharding.py); o_proj holds the matching input columns and the ranks' outputs are summed."""
 
     def __init__(

@@ -16,8 +16,8 @@ from cluster.model.linear import Linear
 from cluster.model.mlp import GatedMLP
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
-from cluster.parallel.group import SINGLE, TensorParallelGroup
-from cluster.parallel.sharding import Shard, shard_of
+from cluster.model.sharding import Shard, shard_of
+from cluster.model.tp_group import SINGLE, TensorParallelGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,12 +1,12 @@
 """Token embedding, vocab-parallel: each tensor-parallel rank holds a contiguous block of
-rows (cluster/parallel/sharding.py); a token outside a rank's block contributes zeros
+rows (cluster/model/sharding.py); a token outside a rank's block contributes zeros
 there, and the all-reduce sums the one rank's row into every rank's output."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.parallel.group import SINGLE, TensorParallelGroup
+from cluster.model.tp_group import SINGLE, TensorParallelGroup
 
 
 class VocabEmbedding(nn.Embedding):

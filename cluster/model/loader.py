@@ -21,8 +21,8 @@ from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch
 from cluster.model.gguf_checkpoint import GGUFCheckpoint
 from cluster.model.rotary import RotaryEmbedding
-from cluster.parallel.group import SINGLE, TensorParallelGroup
-from cluster.parallel.sharding import VOCAB_TENSORS, tensor_slice
+from cluster.model.sharding import VOCAB_TENSORS, tensor_slice
+from cluster.model.tp_group import SINGLE, TensorParallelGroup
 
 log = logging.getLogger(__name__)
 

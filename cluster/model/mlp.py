@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from cluster.model.linear import Linear, fuse_linears
-from cluster.parallel.group import SINGLE, TensorParallelGroup
+from cluster.model.tp_group import SINGLE, TensorParallelGroup
 from kernels import silu_and_mul
 
 

@@ -160,14 +160,16 @@ def test_requests_are_strict():
 
 def test_token_bucket_in_redis_is_per_key_and_refills():
     async def scenario(url):
-        limiter = RateLimiter(url, rate_per_s=100.0, burst=3)
-        other = RateLimiter(url, rate_per_s=100.0, burst=3)  # a second gateway replica
+        # 4 tokens/s: a token comes back every 250 ms, far longer than a few Redis round
+        # trips on a busy machine (at 100/s one came back before the 4th call, now and then).
+        limiter = RateLimiter(url, rate_per_s=4.0, burst=3)
+        other = RateLimiter(url, rate_per_s=4.0, burst=3)  # a second gateway replica
         first = [await limiter.acquire("sk-a") for _ in range(2)] + [await other.acquire("sk-a")]
         assert first == [None, None, None]  # the burst, shared by both replicas
         retry = await other.acquire("sk-a")
-        assert retry is not None and 0 < retry <= 0.011  # one token comes back every 10 ms
+        assert retry is not None and 0 < retry <= 0.25
         assert await limiter.acquire("sk-b") is None  # another key, another bucket
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(retry + 0.02)
         assert await limiter.acquire("sk-a") is None  # refilled
 
     with PrivateRedis() as redis:

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from cluster.model.families import parse_arch
-from cluster.parallel.sharding import ShardingError, kv_heads_of, kv_routes, shard_of, tensor_slice
+from cluster.model.sharding import ShardingError, kv_heads_of, kv_routes, shard_of, tensor_slice
 
 
 def arch(heads=8, kv_heads=2, intermediate=64, vocab=101):

@@ -37,7 +37,7 @@ from cluster.host_memory import keep_freed_memory
 from cluster.kv.tp_transfer import rank_peer_id, recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransport
 from cluster.model.loader import load_model
-from cluster.parallel.group import TensorParallelGroup
+from cluster.model.tp_group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
