@@ -70,6 +70,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_placement: str = "STRICT_PACK"  # STRICT_PACK: a replica's ranks share a node
     tp_timeout_s: float = 60.0  # a collective waiting longer means a rank is lost
+    tp_shared_memory: bool = True  # CPU ranks on one host: collectives through /dev/shm, not gloo
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

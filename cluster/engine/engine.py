@@ -354,6 +354,7 @@ class Engine:
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
             "kv_heads": list(self.loaded.model.shard.kv_heads),
+            "collectives": self.loaded.model.group.transport,
         }
         return [here, *(self.ranks.info if self.ranks is not None else [])]
 

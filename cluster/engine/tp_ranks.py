@@ -55,7 +55,9 @@ class RankWorker:
         self.rank = rank
         self.config = config
         size = config.tensor_parallel_size
-        self.group = TensorParallelGroup.join(address, rank, size, config.device, config.tp_timeout_s)
+        self.group = TensorParallelGroup.join(
+            address, rank, size, config.device, config.tp_timeout_s, shared_memory=config.tp_shared_memory
+        )
         loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, self.group)
         self.shard = loaded.model.shard
         self.runner = ModelRunner(loaded, config.cache.num_blocks, config.cache.block_size, config.device)
@@ -103,6 +105,7 @@ class RankWorker:
             "node": ray.util.get_node_ip_address(),
             "torch_threads": torch.get_num_threads(),
             "kv_heads": list(self.shard.kv_heads),
+            "collectives": self.group.transport,
         }
 
 
@@ -121,7 +124,9 @@ class TensorParallelRanks:
         self.actors = [
             RankWorker.options(**self._placement(config, rank)).remote(config, rank, address) for rank in range(1, size)
         ]
-        self.group = TensorParallelGroup.join(address, 0, size, config.device, config.tp_timeout_s, store=store)
+        self.group = TensorParallelGroup.join(
+            address, 0, size, config.device, config.tp_timeout_s, store=store, shared_memory=config.tp_shared_memory
+        )
         self._loops: list[ray.ObjectRef] = []
         self._timeout_s = config.tp_timeout_s
         self.info: list[dict] = []  # ranks 1..N-1: pid, node, threads, KV heads

@@ -49,14 +49,20 @@ def test_each_rank_reads_exactly_its_slice(tmp_path, tiny_models, variant, weigh
     assert sliced >= 2 * 8  # q, k, v (weights and biases), o, gate, up, down, embedding on each rank
 
 
-@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
-def test_tp2_generates_the_tokens_of_tp1(ray_local, tiny_models, variant):
+# Collectives through shared memory (ranks on one host, the default) and through gloo
+# (the path of ranks on different hosts, forced here).
+CASES = [(v, True) for v in sorted(TINY_VARIANTS)] + [("mistral", False)]
+
+
+@pytest.mark.parametrize(("variant", "shared_memory"), CASES)
+def test_tp2_generates_the_tokens_of_tp1(ray_local, tiny_models, variant, shared_memory):
     model = str(tiny_models[variant])
     reference = [c.token_ids for c in Engine.from_pretrained(model, dtype="float32", num_threads=1).generate(PROMPTS, GREEDY)]
-    engine = Engine.from_pretrained(model, dtype="float32", num_threads=1, tensor_parallel_size=2)
+    engine = Engine.from_pretrained(model, dtype="float32", num_threads=1, tensor_parallel_size=2, tp_shared_memory=shared_memory)
     try:
         ranks = engine.rank_info()
         assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
+        assert {r["collectives"] for r in ranks} == {"shared memory" if shared_memory else "gloo"}
         assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == reference
     finally:
         engine.close()

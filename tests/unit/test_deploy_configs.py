@@ -22,7 +22,7 @@ with warnings.catch_warnings():  # ray.serve's pydantic models still use v1-styl
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema, ServeApplicationSchema, ServeDeploySchema
 
-from cluster.app import GRPC_SERVICER_FUNCTIONS
+from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, tier_options
 from cluster.config import ClusterConfig, from_dict
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -129,9 +129,10 @@ def test_cluster_has_room_for_each_tiers_max_replicas(cluster, serve):
     for name, (key, node_type, tag) in TIERS.items():
         tier = args[key]
         node = types[node_type]
-        asks = {"CPU": tier["num_cpus"], "GPU": tier["num_gpus"], **tier["resources"]}
+        asks = {"CPU": tier["num_cpus"], "GPU": tier["num_gpus"], **tier["resources"]}  # per TP rank
         assert asks[tag] > 0, f"{name} does not ask for {tag}"
-        per_node = min(node["resources"].get(r, 0) // v for r, v in asks.items() if v > 0)
+        ranks = tier.get("tensor_parallel_size", 1)  # STRICT_PACK: a replica's ranks on one node
+        per_node = min(node["resources"].get(r, 0) // (v * ranks) for r, v in asks.items() if v > 0)
         most = (tier.get("autoscaling") or {}).get("max_replicas", tier["num_replicas"])
         assert per_node * node["max_workers"] >= most, f"{node_type} cannot hold {most} {name} replicas"
         # A tier that always keeps replicas keeps a node for them, so the first request
@@ -250,3 +251,15 @@ def test_unknown_args_key_is_rejected(serve):
     app_of(serve)["args"]["prefill"]["gpus"] = 1
     with pytest.raises(ValueError, match="unknown TierConfig keys"):
         from_dict(ClusterConfig, app_of(serve)["args"])
+
+
+def test_prefill_replicas_span_two_gpus_of_one_node_and_decode_replicas_one(serve):
+    """deploy/serve.yaml's TP layout: a prefill replica is a placement group of 2
+    one-GPU bundles on one node (rank 0 is the replica, rank 1 takes bundle 1)."""
+    cfg = from_dict(ClusterConfig, app_of(serve)["args"])
+    prefill, decode = tier_options(cfg.prefill), tier_options(cfg.decode)
+    rank = {"CPU": cfg.prefill.num_cpus, "GPU": 1, **cfg.prefill.resources}
+    assert prefill["placement_group_bundles"] == [rank, rank] and prefill["placement_group_strategy"] == "STRICT_PACK"
+    assert "placement_group_bundles" not in decode
+    assert cfg.engine_for(cfg.prefill).tensor_parallel_size == 2 and cfg.engine_for(cfg.decode).tensor_parallel_size == 1
+    build_app(cfg)  # Serve accepts the options: the replica's own resources fit bundle 0
