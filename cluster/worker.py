@@ -139,9 +139,7 @@ class EngineWorker:
         rank lost) fails it, and Serve replaces the whole replica."""
         if self.engine.dead is not None:
             raise self.engine.dead
-        ranks = self.engine.engine.ranks
-        if ranks is not None:
-            ranks.check()
+        self.engine.engine.check_health()  # (not on the engine thread: it only asks Ray about the rank actors)
 
     def tier_stats(self) -> dict:
         return {}

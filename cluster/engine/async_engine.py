@@ -182,7 +182,8 @@ class AsyncEngine:
             if not self._drain_inbox():
                 return
             if self.dead is not None or not self.engine.has_schedulable:  # idle, waiting for KV, or dead
-                self._wakeup.wait()
+                if not self._wakeup.wait(self.engine.idle_tick_s) and self.dead is None:
+                    self._idle_tick()
                 continue
             try:
                 outputs = self.engine.step()
@@ -196,6 +197,14 @@ class AsyncEngine:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None:
                     sink.put(out)
+
+    def _idle_tick(self) -> None:
+        try:
+            self.engine.idle_tick()
+        except EngineDeadError as e:  # a tensor-parallel rank is gone
+            log.error("engine is dead: %s", e)
+            self.dead = e
+            self._fail_all(e)
 
     def _drain_inbox(self) -> bool:
         while True:

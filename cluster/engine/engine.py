@@ -342,6 +342,16 @@ class Engine:
             logprobs=logprobs,
         )
 
+    @property
+    def idle_tick_s(self) -> float | None:
+        """How often an idle engine calls `idle_tick` (None: never needed)."""
+        return min(5.0, self.config.tp_timeout_s / 4) if self.ranks is not None else None
+
+    def idle_tick(self) -> None:
+        """Idle: check the tensor-parallel ranks (RankLostError if one is gone)."""
+        if self.ranks is not None:
+            self.runner.heartbeat()
+
     def check_health(self) -> None:
         """RankLostError if a tensor-parallel rank of this replica is gone."""
         if self.ranks is not None:

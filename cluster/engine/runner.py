@@ -36,6 +36,9 @@ def num_kv_blocks(cache: CacheConfig, arch: ModelArch, shard: Shard, dtype: torc
     return max(1, int(cache.memory_gib * 2**30) // kv_bytes_per_block(arch, shard, cache.block_size, dtype))
 
 
+HEARTBEAT = "heartbeat"  # a step plan that runs no model: rank 0 is idle
+
+
 @dataclass(frozen=True)
 class BatchInputs:
     input_ids: torch.Tensor  # [T]
@@ -70,8 +73,19 @@ class ModelRunner:
         sched = self.group.broadcast_object()
         if sched is None:
             return False
-        self._run(sched)
+        if sched == HEARTBEAT:
+            self.group.all_reduce_(torch.zeros(1))
+        else:
+            self._run(sched)
         return True
+
+    def heartbeat(self) -> None:
+        """Rank 0, while idle: one round trip through every rank, so that a lost rank is
+        found before the next request (RankLostError), and no collective waits out
+        its timeout on an idle replica."""
+        if self.group.is_parallel:
+            self.group.broadcast_object(HEARTBEAT)
+            self.group.all_reduce_(torch.zeros(1))
 
     def stop_followers(self) -> None:
         """Rank 0: release the other ranks from `follow`."""

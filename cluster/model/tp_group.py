@@ -17,6 +17,7 @@ the timeout): that is a RankLostError, and the replica is dead from then on.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import secrets
@@ -27,6 +28,8 @@ import torch.distributed as dist
 
 from cluster.errors import RankLostError
 from cluster.model.shm_collectives import ShmCollectives
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_CAPACITY = 16 << 20  # bytes per rank and buffer: a 2k-token step's activations of a ~1k-wide model in fp32
@@ -184,22 +187,27 @@ SINGLE = TensorParallelGroup()  # one rank: every collective is the identity
 def _shared_memory(store: dist.Store, pg, rank: int, size: int, timeout_s: float) -> ShmCollectives | None:
     """The shared-memory collectives, if every rank could map rank 0's file (they share a
     host); None otherwise (gloo for everything). Every rank reaches the same answer."""
-    shm = None
-    if os.path.isdir(SHM_DIR):
-        if rank == 0:
-            nonce = secrets.randbits(62)
-            path = os.path.join(SHM_DIR, f"pdserve-tp-{os.getpid()}-{nonce:x}")
-            store.set("shm", f"{path} {nonce}")
-        path, nonce = store.get("shm").decode().split()
-        try:
-            shm = ShmCollectives(path, rank, size, SHM_CAPACITY, timeout_s, int(nonce))
-        except OSError:
-            shm = None
+    shm, path = None, None
+    try:
+        if rank == 0:  # its file and FIFOs exist before anyone is told where
+            if os.path.isdir(SHM_DIR):
+                nonce = secrets.randbits(62)
+                path = os.path.join(SHM_DIR, f"pdserve-tp-{os.getpid()}-{nonce:x}")
+                shm = ShmCollectives(path, rank, size, SHM_CAPACITY, timeout_s, nonce)
+        else:
+            where, nonce = store.get("shm").decode().split()
+            if where != "-":
+                shm = ShmCollectives(where, rank, size, SHM_CAPACITY, timeout_s, int(nonce))
+    except OSError as e:
+        log.warning("rank %d: no shared memory for tensor-parallel collectives (%s): gloo for all", rank, e)
+    finally:
+        if rank == 0:  # always answer: the others wait for it
+            store.set("shm", f"{path} {nonce}" if shm is not None else "- 0")
     ok = torch.tensor([1 if shm is not None else 0], dtype=torch.int64)
     work = pg.allreduce([ok])  # also the barrier after which the file may be unlinked
     work.wait()
-    if rank == 0 and os.path.isdir(SHM_DIR):
-        os.unlink(path)
+    if rank == 0 and path is not None:
+        ShmCollectives.remove_files(path, size)
     if int(ok) == size:
         return shm
     if shm is not None:

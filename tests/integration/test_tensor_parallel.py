@@ -4,6 +4,8 @@ Each rank loads only its shard; TP 2 generates the same greedy tokens as TP 1 on
 family, including GQA with fewer KV heads than ranks (mistral's tiny variant: 1 KV head).
 """
 
+import json
+
 import pytest
 import ray
 import torch
@@ -15,6 +17,7 @@ from cluster.model.loader import open_checkpoint
 from cluster.model.sharding import shard_of, tensor_slice
 from cluster.testing.gguf_export import export_gguf
 from tests.conftest import TINY_VARIANTS
+from tests.integration.test_cli import run as run_pdserve
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 PROMPTS = ["hello world " * 5, "the quick brown fox", list(range(3, 70))]
@@ -71,3 +74,14 @@ def test_tp2_generates_the_tokens_of_tp1(ray_local, tiny_models, variant, shared
 def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(ray_local, tiny_models):
     with pytest.raises(ValueError, match="cannot split 4 attention heads"):
         Engine.from_pretrained(str(tiny_models["llama"]), dtype="float32", tensor_parallel_size=3)
+
+
+def test_generate_cli_splits_the_model_or_says_why_it_cannot(tiny_models):
+    model = str(tiny_models["qwen3"])
+    args = ["generate", "--model", model, "--prompt", "the quick brown fox", "--max-tokens", "8", "--dtype", "float32", "--json"]
+    one, two = run_pdserve(*args), run_pdserve(*args, "--tensor-parallel-size", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert json.loads(two.stdout.splitlines()[-1])["token_ids"] == json.loads(one.stdout.splitlines()[-1])["token_ids"]
+    bad = run_pdserve(*args, "-tp", "3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "cannot split 4 attention heads" in bad.stderr and "over 3 tensor-parallel ranks" in bad.stderr
