@@ -91,18 +91,20 @@ class EngineWorker:
         )
 
     def _on_every_rank(self, mine, run_mine, theirs, start_theirs) -> None:
-        """Start the other ranks' pieces, run rank 0's here, then wait for all of them."""
+        """Start the other ranks' pieces, run rank 0's here, then wait for all of them
+        (whatever happened here: their blocks stay in use until every rank is done)."""
         refs = [start_theirs(actor, pieces) for actor, pieces in zip(self._rank_actors, theirs) if pieces]
         error = None
         try:
             run_mine(mine)
         except KVTransferError as e:
             error = e
-        for ref in refs:
-            try:
-                ray.get(ref, timeout=self._transfer_wait_s)
-            except Exception as e:  # noqa: BLE001 - the rank's KVTransferError (wrapped), or the rank is gone
-                error = error or KVTransferError(f"{self.worker_id}: a tensor-parallel rank's KV pieces failed: {e}")
+        finally:
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=self._transfer_wait_s)
+                except Exception as e:  # noqa: BLE001 - the rank's KVTransferError (wrapped), or the rank is gone
+                    error = error or KVTransferError(f"{self.worker_id}: a tensor-parallel rank's KV pieces failed: {e}")
         if error is not None:
             raise error
 

@@ -21,7 +21,6 @@ Serve replaces the whole replica.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 
 import ray
@@ -38,8 +37,6 @@ from cluster.kv.tp_transfer import rank_peer_id, recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransport
 from cluster.model.loader import load_model
 from cluster.model.tp_group import TensorParallelGroup
-
-log = logging.getLogger(__name__)
 
 # A rank runs its step loop and, in other threads, its KV transfers and stats calls.
 RANK_ACTOR_CONCURRENCY = 16
