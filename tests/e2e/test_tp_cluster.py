@@ -62,18 +62,18 @@ def test_pd_between_tp_sizes_streams_the_single_device_greedy_text(live, client,
 
 def test_killing_one_rank_of_a_decode_replica_moves_its_streams(live, client, tiny_models):
     config = live.engine_config
-    prompts = [f"Rank kill {i}: the fox number {i} sat down and" for i in range(6)]
-    expected = greedy(config, prompts, 120)
+    prompts = [f"Rank kill {i}: the fox number {i} sat down and" for i in range(4)]
+    expected = greedy(config, prompts, 80)
     live.redeploy(engine=config, decodes=2, decode_tp=2)
     before = counter(live, "pdserve_request_migrations_total")
 
-    streams = Streams(client, prompts, 120)
+    streams = Streams(client, prompts, 80)
     assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
     victim = max(worker_stats(live, "decode"), key=lambda s: s["running"])
     assert victim["running"] > 0
     os.kill(victim["ranks"][1]["pid"], signal.SIGKILL)  # rank 1: not the replica's own process
 
-    assert streams.texts() == expected  # every stream whole, moved to the other replica
+    assert streams.texts() == expected  # every stream whole: those of the victim moved to the other replica
     assert counter(live, "pdserve_request_migrations_total") - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
     # Serve's health check replaces the broken replica with a whole new one (both ranks).
