@@ -18,6 +18,9 @@ from ray import serve
 from cluster.app import build_app, grpc_options
 from cluster.config import ClusterConfig, from_dict
 from cluster.model.builtin import model_or_builtin
+from cluster.model.families import parse_arch
+from cluster.model.loader import open_checkpoint
+from cluster.model.sharding import check_divisible
 from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
 from router.auth import load_api_keys
@@ -38,7 +41,22 @@ def config_from_args(args) -> ClusterConfig:
         load_api_keys(None, gateway["api_key_file"], env={})  # fail now (exit 2) if it is missing or empty
         gateway["api_key_file"] = str(Path(gateway["api_key_file"]).resolve())
     gateway["api_keys"] = load_api_keys(args.api_key)  # and $PDSERVE_API_KEY
-    return from_dict(ClusterConfig, data)
+    config = from_dict(ClusterConfig, data)
+    check_tensor_parallel(config)
+    return config
+
+
+def check_tensor_parallel(config: ClusterConfig) -> None:
+    """A TP size the model cannot be split over fails here, in one line, rather than as
+    replicas that never start. (Only when the model is on this machine: with --address it
+    may exist only on the cluster's nodes, whose replicas then say the same.)"""
+    tiers = [config.decode] if config.colocated else [config.prefill, config.decode]
+    sizes = {t.tensor_parallel_size for t in tiers} - {1}
+    if not sizes or not Path(config.engine.model).exists():
+        return
+    arch = parse_arch(open_checkpoint(config.engine.model).config())
+    for size in sorted(sizes):
+        check_divisible(arch, size)
 
 
 def port_free(host: str, port: int) -> bool:

@@ -117,3 +117,10 @@ def test_serve_refuses_a_port_in_use():
         port = taken.getsockname()[1]
         result = subprocess.run([*PDSERVE, "serve", "--http-port", str(port)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and f"HTTP port {port} is in use" in result.stderr
+
+
+def test_serve_refuses_a_tensor_parallel_size_the_model_cannot_split():
+    """The built-in SmolLM2 has 9 attention heads and 3 KV heads: not over 2 ranks."""
+    result = subprocess.run([*PDSERVE, "serve", "--decode-tp", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "cannot split 9 attention heads, 3 KV heads (neither divides the other) over 2 tensor-parallel ranks" in result.stderr
