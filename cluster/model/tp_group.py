@@ -118,6 +118,8 @@ class TensorParallelGroup:
         return "shared memory" if self._shm is not None else ("nccl" if self.device.type == "cuda" else "gloo")
 
     def _via_shm(self, fn, *args):
+        if self._broken is not None:
+            raise RankLostError(f"tensor-parallel group is down since: {self._broken}")
         try:
             return fn(*args)
         except RankLostError as e:
