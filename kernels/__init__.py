@@ -1,5 +1,6 @@
-"""Hot ops of the engine. Each op has a Triton kernel, used when its input is on CUDA, and
-a pure-torch reference that is both the numerical spec and the CPU production path."""
+"""Hot ops of the engine. Each op has a Triton kernel, used when its input is on CUDA, a C
+kernel built for this CPU (kernels/cpu.py), used on CPU where it can run, and a pure-torch
+reference: the numerical spec, and the CPU path where the C kernels cannot run."""
 
 from kernels.kv_store import store_kv
 from kernels.paged_attention import DecodeGather, decode_gather, paged_attention_decode

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import cpu
+
 
 def store_kv_reference(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -70,5 +72,7 @@ def store_kv(
 ) -> None:
     if key.is_cuda:
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif cpu.usable(key, value, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        cpu.store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import cpu
+
 
 @dataclass(frozen=True)
 class DecodeGather:
@@ -176,4 +178,6 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     if q.is_cuda:
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if cpu.usable(q, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        return cpu.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, gather)

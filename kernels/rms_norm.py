@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import cpu
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -47,4 +49,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda:
         return rms_norm_triton(x, weight, eps)
+    if cpu.usable(x, weight):
+        return cpu.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import cpu
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
@@ -80,4 +82,6 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q.is_cuda:
         return rotary_triton(q, k, positions, cos_sin_cache)
+    if cpu.usable(q, k, cos_sin_cache):
+        return cpu.rotary(q, k, positions, cos_sin_cache)
     return rotary_reference(q, k, positions, cos_sin_cache)

@@ -20,6 +20,7 @@ from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.families import ModelArch
 from cluster.model.loader import LoadedModel
 from cluster.model.sharding import Shard
+from kernels import cpu as cpu_kernels
 from kernels import decode_gather
 
 
@@ -150,6 +151,9 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             prefills=tuple(prefill_seqs),
-            decode_gather=decode_gather(decode_tables, decode_lens, bs) if decodes and self.device.type == "cpu" else None,
+            # Only torch's reference attention reads it; the C kernel walks the block table itself.
+            decode_gather=decode_gather(decode_tables, decode_lens, bs)
+            if decodes and self.device.type == "cpu" and not cpu_kernels.available()
+            else None,
         )
         return BatchInputs(t(input_ids), t(positions), meta, t(sample_rows), sample_ids)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import cpu
 from kernels.kv_store import store_kv_reference, store_kv_triton
 from kernels.paged_attention import decode_gather, paged_attention_decode_reference, paged_attention_decode_triton
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
@@ -329,10 +330,21 @@ def test_paged_attention_empty_context_gives_zeros(attention):
 # --- Dispatch ------------------------------------------------------------------------------
 
 
-def test_public_ops_use_the_reference_on_cpu():
+@pytest.fixture
+def reference_only(monkeypatch):
+    """The C kernels switched off: the public ops fall back to torch's reference."""
+    monkeypatch.setenv(cpu.SWITCH_ENV, "0")
+    cpu.library.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu.library.cache_clear()
+
+
+def test_public_ops_use_the_reference_on_cpu_with_the_c_kernels_off(reference_only):
     assert sorted(kernels.__all__) == [
         "DecodeGather", "apply_rotary", "decode_gather", "paged_attention_decode", "rms_norm", "silu_and_mul", "store_kv"
     ]
+    assert not cpu.available()
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
     assert torch.equal(kernels.silu_and_mul(x), silu_and_mul_reference(x))
@@ -344,3 +356,13 @@ def test_public_ops_use_the_reference_on_cpu():
     k_cache, v_cache = _caches(4, 8, 2, 64, torch.float32)
     kernels.store_kv(k, 2 * k, k_cache, v_cache, torch.tensor([1, -1, 30]))
     assert torch.equal(k_cache[0, 1], k[0]) and torch.equal(v_cache[3, 6], 2 * k[2]) and (k_cache[0, 2] == 7.0).all()
+
+
+def test_public_ops_take_the_c_kernels_on_cpu_where_they_build():
+    """Where a C compiler exists (every supported machine: the README's set-up has one),
+    the CPU path is the C kernel, checked against the reference in test_cpu_kernels.py."""
+    assert cpu.available()
+    x, w = torch.randn(3, 64), torch.randn(64)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), cpu.rms_norm(x, w, 1e-6))
+    args = _paged_setup([5, 20], 4, 2, 64, 8, torch.float32, "nan_blocks")
+    assert torch.equal(kernels.paged_attention_decode(*args, 0.125), cpu.paged_attention_decode(*args, 0.125))

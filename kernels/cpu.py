@@ -1,0 +1,195 @@
+"""The C kernels of kernels/csrc/cpu_kernels.c: built on this machine, for this CPU, on first use.
+
+Each op's CPU path is `kernel if cpu.usable(...) else reference`; the reference stays the
+numerical spec (tests compare the two) and the path where the kernels cannot run:
+  - no C compiler, or the build fails (logged once, never an error);
+  - a dtype other than float32 / bfloat16;
+  - `PDSERVE_CPU_KERNELS=0` (the switch that forces the reference path anywhere).
+
+Build: `cc -O3 -march=native`, capped at the ISA torch's oneDNN is capped at
+(`ONEDNN_MAX_CPU_ISA`, which PDSERVE_CPU_DISABLE sets), so the AVX2 code of an AVX-512
+machine can be built and tested there. The library is cached under
+~/.cache/pdserve/kernels by a hash of the source, the flags, and what the compiler makes
+of `-march=native` on this CPU: a different CPU never loads a library built for another.
+Plain C without torch's headers: a build takes about a second.
+
+Calls go through ctypes with raw pointers (a few microseconds each); torch's OpenMP
+runtime is already loaded when the library is, so both share one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SWITCH_ENV = "PDSERVE_CPU_KERNELS"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+# oneDNN's ISA cap -> the compiler switches that keep the kernels within it.
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+_ISA_CAPS = {
+    "AVX512_CORE_AMX": [],
+    "AVX512_CORE_BF16": _NO_AMX,
+    "AVX512_CORE": ["-mno-avx512bf16", *_NO_AMX],
+    "AVX2": ["-mno-avx512f", *_NO_AMX],
+    "SSE41": ["-mno-avx", "-mno-avx2", "-mno-fma", "-mno-avx512f", *_NO_AMX],
+}
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "pd_linear": [_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32],
+    "pd_rms_norm": [_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32],
+    "pd_rotary": [_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32],
+    "pd_store_kv": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i32, _i32],
+    "pd_paged_attention_decode": [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32],
+}
+
+
+def compile_flags() -> list[str]:
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX").upper()
+    isa = _ISA_CAPS.get(cap, _ISA_CAPS["SSE41"])  # an unknown cap: the safest code
+    return ["-O3", "-march=native", *isa, "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _library_path(cc: str, flags: list[str]) -> Path:
+    # What `-march=native` enables here names both the compiler and this CPU.
+    target = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout + subprocess.run(
+        [cc, *flags, "-Q", "--help=target"], capture_output=True, text=True, check=True).stdout
+    key = "\n".join([SOURCE.read_text(), " ".join(flags), target])
+    return CACHE_DIR / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the library (or find it cached); raises on failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    flags = compile_flags()
+    path = _library_path(cc, flags)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders (several workers) never
+    # load a half-written file.
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+        pass
+    result = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp.name, "-lm"], capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp.name)
+        raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
+    os.replace(tmp.name, path)
+    return path
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH_ENV, "1") != "0"
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run (the reason is logged once)."""
+    if not enabled():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernels unavailable, using torch's ops instead: %s", e)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels can take these tensors: on CPU, float32/bfloat16, last dim contiguous."""
+    return (
+        all(t.device.type == "cpu" and t.dtype in DTYPE_CODES and t.stride(-1) == 1 for t in tensors)
+        and library() is not None
+    )
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # x: [B, K] -> [B, O]; weight [O, K] and bias [O] in x's dtype
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = bias.to(x.dtype).contiguous() if bias is not None else None
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    library().pd_linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                        rows, in_features, out_features, DTYPE_CODES[x.dtype], _threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden)  # a view when x's rows are evenly spaced (per-head norms on q/k)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+    library().pd_rms_norm(out.data_ptr(), rows.data_ptr(), rows.stride(0), weight.data_ptr(), rows.shape[0], hidden, eps,
+                          DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], DTYPE_CODES[out.dtype])
+    return out.view(x.shape)
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    tokens, heads, head_dim = x.shape
+    if x.stride(1) != head_dim:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library().pd_rotary(out.data_ptr(), x.data_ptr(), x.stride(0), tokens, heads, head_dim, positions.data_ptr(),
+                        cos_sin_cache.data_ptr(), DTYPE_CODES[x.dtype])
+    return out
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    positions = positions.to(torch.int64).contiguous()
+    cos_sin_cache = cos_sin_cache.contiguous()
+    return _rotate(q, positions, cos_sin_cache), _rotate(k, positions, cos_sin_cache)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    tokens = key.shape[0]
+    row = k_cache.shape[2] * k_cache.shape[3]
+    key, value = (t if t.stride(1) == t.shape[2] else t.contiguous() for t in (key, value))
+    slots = slot_mapping.to(torch.int64).contiguous()
+    library().pd_store_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                          v_cache.data_ptr(), slots.data_ptr(), tokens, row, DTYPE_CODES[key.dtype], DTYPE_CODES[k_cache.dtype])
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.stride(1) != head_dim:
+        q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    library().pd_paged_attention_decode(
+        out.data_ptr(), q.data_ptr(), q.stride(0), DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
+        DTYPE_CODES[k_cache.dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_q_heads,
+        num_kv_heads, head_dim, block_size, scale, _threads(),
+    )
+    return out

@@ -1,0 +1,301 @@
+/* CPU kernels for the decode step's hot ops (built and loaded by kernels/cpu.py).
+
+Why: at decode batch sizes every op is tiny, and torch's eager path pays a fixed cost per
+op (dispatch, allocation, oneDNN primitive lookup) that dwarfs the work; the small-row
+GEMV in oneDNN also streams weights at well under the memory bandwidth. Each function
+here does one op in one pass, in plain C with GCC vector extensions, compiled on the
+machine for its own ISA (-march=native minus any capability forced off), so the same
+source becomes AVX-512, AVX2 or SSE code.
+
+Invariants shared by every function:
+  - tensors are float32 (dtype 0) or bfloat16 (dtype 1), given as raw pointers plus the
+    element strides the caller passes; the last dimension is always contiguous;
+  - all arithmetic is float32; bf16 results are rounded to nearest-even, as torch rounds;
+  - `nthreads` OpenMP threads (the caller passes torch's intra-op count; torch's own
+    libgomp is the one loaded, so the pool is shared, not doubled).
+*/
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+typedef uint16_t bf16_t;
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline float bf16_to_f32(bf16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                     /* round to nearest, ties to even */
+    return (bf16_t)(u >> 16);
+}
+
+static inline float round_to(float f, int dtype) { return dtype == BF16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
+
+static void load_row(float *dst, const void *src, int64_t n, int dtype) {
+    if (dtype == BF16) {
+        const bf16_t *s = (const bf16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, n * sizeof(float));
+    }
+}
+
+static void store_row(void *dst, const float *src, int64_t n, int dtype) {
+    if (dtype == BF16) {
+        bf16_t *d = (bf16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, n * sizeof(float));
+    }
+}
+
+static inline void *at(const void *base, int64_t index, int dtype) {
+    return (char *)base + index * (dtype == BF16 ? 2 : 4);
+}
+
+/* ---- linear: y[b, :] = x[b, :] @ w.T + bias, for the few rows of a decode step ---- */
+
+static inline v16f load16(const void *p, int dtype) {
+    v16f f;
+    if (dtype == BF16) {
+        v16h h;
+        memcpy(&h, p, 32);
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &u, 64);
+    } else {
+        memcpy(&f, p, 64);
+    }
+    return f;
+}
+
+static inline float hsum16(v16f v) {
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* Rows [o0, o1) of w for NB (1..4) input rows: each weight row is read once and used NB
+   times. `always_inline` + constant NB lets the compiler keep the accumulators in registers. */
+static inline __attribute__((always_inline)) void linear_block(const float *x, const void *w, int wdtype, float *y,
+                                                               int64_t K, int64_t O, int64_t o0, int64_t o1, const int NB) {
+    const int64_t K16 = K & ~(int64_t)15;
+    for (int64_t o = o0; o < o1; o++) {
+        const void *row = at(w, o * K, wdtype);
+        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t k = 0; k < K16; k += 16) {
+            v16f wv = load16(at(row, k, wdtype), wdtype);
+            a0 += wv * load16(x + k, F32);
+            if (NB > 1) a1 += wv * load16(x + K + k, F32);
+            if (NB > 2) a2 += wv * load16(x + 2 * K + k, F32);
+            if (NB > 3) a3 += wv * load16(x + 3 * K + k, F32);
+        }
+        float s[4] = {hsum16(a0), NB > 1 ? hsum16(a1) : 0.f, NB > 2 ? hsum16(a2) : 0.f, NB > 3 ? hsum16(a3) : 0.f};
+        for (int64_t k = K16; k < K; k++) {
+            float wk = wdtype == BF16 ? bf16_to_f32(((const bf16_t *)row)[k]) : ((const float *)row)[k];
+            for (int b = 0; b < NB; b++) s[b] += wk * x[b * K + k];
+        }
+        for (int b = 0; b < NB; b++) y[b * O + o] = s[b];
+    }
+}
+
+/* x: [B, K] (dtype), w: [O, K] (dtype), bias: [O] or NULL, y: [B, O] (dtype). */
+void pd_linear(const void *x, const void *w, const void *bias, void *y, int64_t B, int64_t K, int64_t O, int dtype,
+               int nthreads) {
+    float *xf = aligned_alloc(64, ((B * K * sizeof(float) + 63) / 64) * 64);
+    float *yf = aligned_alloc(64, ((B * O * sizeof(float) + 63) / 64) * 64);
+    load_row(xf, x, B * K, dtype);
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        int64_t o0 = O * t / n, o1 = O * (t + 1) / n;
+        for (int64_t b = 0; b < B; b += 4) {
+            const float *xb = xf + b * K;
+            float *yb = yf + b * O;
+            switch (B - b < 4 ? B - b : 4) {
+            case 1: linear_block(xb, w, dtype, yb, K, O, o0, o1, 1); break;
+            case 2: linear_block(xb, w, dtype, yb, K, O, o0, o1, 2); break;
+            case 3: linear_block(xb, w, dtype, yb, K, O, o0, o1, 3); break;
+            default: linear_block(xb, w, dtype, yb, K, O, o0, o1, 4); break;
+            }
+        }
+    }
+    if (bias) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t o = 0; o < O; o++)
+                yf[b * O + o] += dtype == BF16 ? bf16_to_f32(((const bf16_t *)bias)[o]) : ((const float *)bias)[o];
+    }
+    store_row(y, yf, B * O, dtype);
+    free(xf);
+    free(yf);
+}
+
+/* ---- RMSNorm, Hugging Face numerics: normalise in fp32, round to x's dtype, then scale ---- */
+
+/* x: [N, H] rows x_stride apart; weight: [H] (w_dtype); out: [N, H] contiguous (out_dtype). */
+void pd_rms_norm(void *out, const void *x, int64_t x_stride, const void *weight, int64_t N, int64_t H, float eps,
+                 int dtype, int w_dtype, int out_dtype) {
+    float *row = malloc(H * sizeof(float));
+    float *wf = malloc(H * sizeof(float));
+    load_row(wf, weight, H, w_dtype);
+    for (int64_t i = 0; i < N; i++) {
+        load_row(row, at(x, i * x_stride, dtype), H, dtype);
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < H; j++) ss += row[j] * row[j];
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t j = 0; j < H; j++) row[j] = wf[j] * round_to(row[j] * inv, dtype);
+        store_row(at(out, i * H, out_dtype), row, H, out_dtype);
+    }
+    free(row);
+    free(wf);
+}
+
+/* ---- rotary embedding (rotate-half layout), Hugging Face numerics ---- */
+
+/* x: [T, H, D], token stride x_stride, heads D apart; out: [T, H, D] contiguous; cos_sin:
+   fp32 [P, D] (cos in the first half, sin in the second). In bf16 every product and the
+   sum are rounded, as torch's `x * cos + rotate_half(x) * sin` rounds them. */
+void pd_rotary(void *out, const void *x, int64_t x_stride, int64_t T, int64_t H, int64_t D, const int64_t *positions,
+               const float *cos_sin, int dtype) {
+    const int64_t half = D / 2;
+    float *row = malloc(D * sizeof(float)), *res = malloc(D * sizeof(float));
+    float *c = malloc(half * sizeof(float)), *s = malloc(half * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = cos_sin + positions[t] * D;
+        for (int64_t i = 0; i < half; i++) c[i] = round_to(cs[i], dtype), s[i] = round_to(cs[half + i], dtype);
+        for (int64_t h = 0; h < H; h++) {
+            load_row(row, at(x, t * x_stride + h * D, dtype), D, dtype);
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = row[i], x2 = row[half + i];
+                res[i] = round_to(round_to(x1 * c[i], dtype) + round_to(-x2 * s[i], dtype), dtype);
+                res[half + i] = round_to(round_to(x2 * c[i], dtype) + round_to(x1 * s[i], dtype), dtype);
+            }
+            store_row(at(out, (t * H + h) * D, dtype), res, D, dtype);
+        }
+    }
+    free(row), free(res), free(c), free(s);
+}
+
+/* ---- write new tokens' K/V rows into the paged cache ---- */
+
+/* key/value: [T, row] with token strides; caches: [slots, row] contiguous; slot < 0: skip. */
+void pd_store_kv(const void *key, int64_t k_stride, const void *value, int64_t v_stride, void *k_cache, void *v_cache,
+                 const int64_t *slots, int64_t T, int64_t row, int src_dtype, int cache_dtype) {
+    float *buf = malloc(row * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        int64_t dst = slots[t] * row;
+        if (src_dtype == cache_dtype) {
+            int64_t bytes = row * (src_dtype == BF16 ? 2 : 4);
+            memcpy(at(k_cache, dst, cache_dtype), at(key, t * k_stride, src_dtype), bytes);
+            memcpy(at(v_cache, dst, cache_dtype), at(value, t * v_stride, src_dtype), bytes);
+        } else {
+            load_row(buf, at(key, t * k_stride, src_dtype), row, src_dtype);
+            store_row(at(k_cache, dst, cache_dtype), buf, row, cache_dtype);
+            load_row(buf, at(value, t * v_stride, src_dtype), row, src_dtype);
+            store_row(at(v_cache, dst, cache_dtype), buf, row, cache_dtype);
+        }
+    }
+    free(buf);
+}
+
+/* ---- decode attention over the paged KV cache (one query token per sequence) ---- */
+
+/* exp(x) for x <= 0, in a form the compiler vectorizes (libm's expf is scalar): Cody-Waite
+   range reduction x = k ln2 + r, then Cephes' degree-6 polynomial; within 2 ulp of expf. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* exp(-87) ~ 1.6e-38: the smallest normal scale below */
+    float k = __builtin_rintf(x * 1.44269504f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return (r * r * p + r + 1.0f) * scale;
+}
+
+/* q: [B, Hq, D] with token stride q_stride (heads D apart); caches: [num_blocks, block_size,
+   Hk, D] contiguous; block_tables: [B, table_stride] int32; context_lens: [B] int32; out:
+   [B, Hq, D] contiguous (q's dtype). Query head h reads KV head h / (Hq / Hk). Exact softmax
+   in fp32 (all scores first, then the weights); context_len 0 gives zeros.
+   One work item is one sequence with all its heads, so each cache slot's row (all KV heads,
+   contiguous) is read once and in order: the cache is cold in a real step (every layer's
+   weights passed through since), and whole rows stream far better than per-head pieces. */
+void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q_dtype, const void *k_cache,
+                               const void *v_cache, int kv_dtype, const int32_t *block_tables, int64_t table_stride,
+                               const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                               int64_t block_size, float scale, int nthreads) {
+    const int64_t G = Hq / Hk, row = Hk * D;
+#pragma omp parallel num_threads(B < nthreads ? (int)(B > 0 ? B : 1) : nthreads)
+    {
+        int64_t cap = 0;
+        float *scores = NULL; /* [Hq, L] */
+        float *qf = malloc(Hq * D * sizeof(float)), *acc = malloc(Hq * D * sizeof(float)), *kv = malloc(row * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t L = context_lens[b];
+            const int32_t *table = block_tables + b * table_stride;
+            memset(acc, 0, Hq * D * sizeof(float));
+            if (L > 0) {
+                if (L * Hq > cap) {
+                    cap = L * Hq;
+                    free(scores);
+                    scores = malloc(cap * sizeof(float));
+                }
+                load_row(qf, at(q, b * q_stride, q_dtype), Hq * D, q_dtype);
+                for (int64_t i = 0; i < Hq * D; i++) qf[i] *= scale;
+                for (int64_t p = 0; p < L; p++) {
+                    int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                    load_row(kv, at(k_cache, slot * row, kv_dtype), row, kv_dtype);
+                    for (int64_t hq = 0; hq < Hq; hq++) {
+                        const float *qh = qf + hq * D, *kh = kv + (hq / G) * D;
+                        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
+                        scores[hq * L + p] = dot;
+                    }
+                }
+                for (int64_t hq = 0; hq < Hq; hq++) {
+                    float *sh = scores + hq * L, m = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : m)
+                    for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t p = 0; p < L; p++) {
+                        sh[p] = exp_nonpositive(sh[p] - m);
+                        sum += sh[p];
+                    }
+                    const float inv = 1.f / sum;
+                    for (int64_t p = 0; p < L; p++) sh[p] *= inv;
+                }
+                for (int64_t p = 0; p < L; p++) {
+                    int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                    load_row(kv, at(v_cache, slot * row, kv_dtype), row, kv_dtype);
+                    for (int64_t hq = 0; hq < Hq; hq++) {
+                        const float w = scores[hq * L + p], *vh = kv + (hq / G) * D;
+                        float *ah = acc + hq * D;
+                        for (int64_t d = 0; d < D; d++) ah[d] += w * vh[d];
+                    }
+                }
+            }
+            store_row(at(out, b * Hq * D, q_dtype), acc, Hq * D, q_dtype);
+        }
+        free(scores), free(qf), free(acc), free(kv);
+    }
+}

@@ -1,0 +1,154 @@
+"""The C kernels (kernels/csrc/cpu_kernels.c) against their torch references, built twice:
+for this CPU (`-march=native`) and capped at AVX2 (as on an AVX2-only EPYC), so both code
+paths run on any machine. Also: the build cache, the fallback when nothing can be built.
+
+Exactness: rotary, store_kv and bf16 RMSNorm round exactly as torch does, so they compare
+equal; sums (linear, RMSNorm's mean, attention) differ from torch's only in summation order.
+"""
+
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu
+from kernels.kv_store import store_kv_reference
+from kernels.rms_norm import rms_norm_reference
+from kernels.rotary import rotary_reference
+from tests.unit.test_kernels import _caches, _cos_sin_cache, _naive_decode_attention, _paged_setup, _tol
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=["native", "AVX2"], autouse=True)
+def isa(request, monkeypatch, tmp_path_factory):
+    """Every test runs on the library built for this CPU and on the one capped at AVX2."""
+    if request.param != "native":
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", request.param)
+    cpu.library.cache_clear()
+    assert cpu.available(), "the C kernels did not build"
+    yield request.param
+    monkeypatch.undo()
+    cpu.library.cache_clear()
+
+
+def _uses_avx512(path) -> bool:
+    disassembly = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    return "zmm" in disassembly
+
+
+def test_the_build_follows_the_isa_cap(isa):
+    path = cpu.build()
+    assert path.exists() and path.parent == cpu.CACHE_DIR
+    if isa == "AVX2":
+        assert not _uses_avx512(path)
+        assert "-mno-avx512f" in cpu.compile_flags()
+    elif " avx512f " in open("/proc/cpuinfo").read() and "-mno-avx512f" not in cpu.compile_flags():
+        assert _uses_avx512(path)  # an AVX-512 CPU gets AVX-512 code
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("in_features, out_features", [(64, 96), (100, 7)])  # 100: not a multiple of 16
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(dtype, rows, in_features, out_features, bias):
+    x = torch.randn(rows, in_features).to(dtype)
+    w = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
+    b = torch.randn(out_features).to(dtype) if bias else None
+    out = cpu.linear(x, w, b)
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    exact = F.linear(x.double(), w.double(), b.double() if bias else None)
+    torch.testing.assert_close(out.double(), exact, **_tol(dtype))
+
+
+def test_linear_takes_a_strided_input():
+    x = torch.randn(2, 128)[:, ::2]  # [2, 64], rows 128 apart, not contiguous
+    w = torch.randn(32, 64)
+    torch.testing.assert_close(cpu.linear(x, w, None), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden", [(1, 576), (7, 100)])
+def test_rms_norm_matches_reference(dtype, tokens, hidden):
+    x, w = torch.randn(tokens, hidden).to(dtype), torch.randn(hidden).to(dtype)
+    out = cpu.rms_norm(x, w, 1e-6)
+    assert out.dtype == dtype
+    want = rms_norm_reference(x, w, 1e-6)
+    if dtype == torch.bfloat16:
+        # The same rounding steps; a mean that differs in its last fp32 bit may still move a
+        # value across a bf16 rounding boundary, so allow one ulp on a few elements.
+        assert (out != want).float().mean() < 0.01
+    torch.testing.assert_close(out, want, **_tol(dtype))
+
+
+def test_rms_norm_per_head_on_a_strided_view():
+    qkv = torch.randn(5, 3 * 4 * 32)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)  # Qwen3's per-head q norm: rows 384 apart
+    w = torch.randn(32)
+    torch.testing.assert_close(cpu.rms_norm(q, w, 1e-6), rms_norm_reference(q, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_equals_reference_on_qkv_views(dtype, head_dim):
+    tokens, hq, hk = 6, 4, 2
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim).to(dtype)
+    q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(tokens, hk, head_dim)
+    before = qkv.clone()
+    positions, cache = torch.tensor([0, 3, 9, 1, 30, 31]), _cos_sin_cache(32, head_dim)
+    for got, want in zip(cpu.rotary(q, k, positions, cache), rotary_reference(q, k, positions, cache)):
+        assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(qkv, before)  # inputs untouched, as the reference
+
+
+@pytest.mark.parametrize("src_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.float32, torch.bfloat16)])
+def test_store_kv_equals_reference(src_dtype, cache_dtype):
+    kv = torch.randn(5, 2 * 2 * 64).to(src_dtype)
+    k, v = kv[:, :128].view(5, 2, 64), kv[:, 128:].view(5, 2, 64)  # strided, as split from qkv
+    slots = torch.tensor([3, -1, 17, 30, 8])
+    want_k, want_v = _caches(4, 8, 2, 64, cache_dtype)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    store_kv_reference(k, v, want_k, want_v, slots)
+    cpu.store_kv(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (9, 3), (4, 1)])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 8)])
+def test_paged_attention_matches_naive(dtype, num_q_heads, num_kv_heads, head_dim, block_size):
+    # NaN everywhere but the live rows, and NaN blocks as table padding: any stray read shows.
+    args = _paged_setup([1, 17, 40, 0], num_q_heads, num_kv_heads, head_dim, block_size, dtype, "nan_blocks")
+    out = cpu.paged_attention_decode(*args, head_dim**-0.5)
+    assert out.shape == args[0].shape and out.dtype == dtype and not out.isnan().any()
+    assert torch.equal(out[3], torch.zeros_like(out[3]))  # context 0
+    want = _naive_decode_attention(*(a[:3] if i in (0, 3, 4) else a for i, a in enumerate(args)), head_dim**-0.5)
+    torch.testing.assert_close(out[:3].double(), want, **_tol(dtype))
+
+
+def test_paged_attention_softmax_survives_large_scores():
+    """Scores far apart (exp underflows to 0 for all but the largest) stay finite and exact."""
+    q, k_cache, v_cache, tables, lens = _paged_setup([20], 2, 1, 64, 8, torch.float32, "nan_blocks")
+    q = q * 200
+    out = cpu.paged_attention_decode(q, k_cache, v_cache, tables, lens, 1.0)
+    torch.testing.assert_close(out.double(), _naive_decode_attention(q, k_cache, v_cache, tables, lens, 1.0))
+
+
+def test_a_missing_compiler_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu, "CACHE_DIR", tmp_path / "cache")  # nothing cached to load
+    cpu.library.cache_clear()
+    assert not cpu.available()
+    assert "CPU kernels unavailable" in caplog.text
+    x, w = torch.randn(3, 64), torch.randn(64)
+    import kernels  # noqa: PLC0415 - the public op, now on its reference path
+
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
