@@ -13,11 +13,16 @@ bytes streamed per second for 1 and 8 rows (decode steps of batch 1 and 8):
 F.linear 9-70.) So every row count up to PACKED_MAX_ROWS takes the packed path, and
 F.linear is used beyond (prefill), where it is as fast. All paths accumulate in fp32.
 
-Below both, for the 1-2 rows of a small decode step: the C kernel (kernels/cpu.py), which
-reads each weight row once for all rows. Measured on the same EPYC (bf16, 2 threads,
-SmolLM2-135M's 30 layers, weights cold as in a real step): 8.5 ms per step's linears at
-1 row and 11.1 at 2, against oneDNN's 16.5 and 17.6; at 3 rows they tie, and from 4 rows
-oneDNN's blocked GEMM is faster.
+Below both, for the few rows of a small decode step: the C kernel (kernels/cpu.py), which
+streams each weight row once for all rows. A step's linears on the same EPYC (2 threads,
+SmolLM2-135M's 30 layers, weights cold as in a real step), C kernel vs packed oneDNN, ms:
+
+    rows                       1            2            4            8
+    bf16 (AVX512-BF16)     7.5-11 / 15   9.2 / 16     10-11 / 13-16  ties
+    fp32                   20 / 25.5     21 / 31      31 / 24
+    fp32 capped at AVX2    16 / 30.5     18 / 35      28 / 42        39 / 46
+
+so the C kernel takes up to C_KERNEL_MAX_ROWS rows for its dtype, oneDNN the rest.
 The packed copy costs one more copy of the weight in memory, so packing is opt-in
 (`pack_for_cpu`). bf16 packing needs native bf16 (AVX-512-BF16 or AMX,
 cluster/cpu_features.py): without it oneDNN refuses to pack (AVX2) or only emulates
@@ -32,7 +37,7 @@ from cluster.cpu_features import detect
 from kernels import cpu
 
 PACKED_MAX_ROWS = 256
-C_KERNEL_MAX_ROWS = 2
+C_KERNEL_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 2}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -56,7 +61,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if x.shape[0] <= C_KERNEL_MAX_ROWS and x.dtype == self.weight.dtype and cpu.usable(x, self.weight):
+        if x.shape[0] <= C_KERNEL_MAX_ROWS.get(x.dtype, 0) and x.dtype == self.weight.dtype and cpu.usable(x, self.weight):
             return cpu.linear(x, self.weight, self.bias)
         if self.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

@@ -15,6 +15,9 @@ Invariants shared by every function:
     libgomp is the one loaded, so the pool is shared, not doubled).
 */
 #include <math.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,9 +25,17 @@ Invariants shared by every function:
 
 enum { F32 = 0, BF16 = 1 };
 typedef uint16_t bf16_t;
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+/* One SIMD register of floats: GCC lowers vectors wider than the ISA's badly, so match it. */
+#if defined(__AVX512F__)
+#define VLEN 16
+#elif defined(__AVX__)
+#define VLEN 8
+#else
+#define VLEN 4
+#endif
+typedef float vecf __attribute__((vector_size(VLEN * 4)));
+typedef uint16_t vech __attribute__((vector_size(VLEN * 2)));
+typedef uint32_t vecu __attribute__((vector_size(VLEN * 4)));
 
 static inline float bf16_to_f32(bf16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -67,42 +78,42 @@ static inline void *at(const void *base, int64_t index, int dtype) {
 
 /* ---- linear: y[b, :] = x[b, :] @ w.T + bias, for the few rows of a decode step ---- */
 
-static inline v16f load16(const void *p, int dtype) {
-    v16f f;
+static inline vecf load_vec(const void *p, int dtype) {
+    vecf f;
     if (dtype == BF16) {
-        v16h h;
-        memcpy(&h, p, 32);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&f, &u, 64);
+        vech h;
+        memcpy(&h, p, sizeof h);
+        vecu u = __builtin_convertvector(h, vecu) << 16;
+        memcpy(&f, &u, sizeof f);
     } else {
-        memcpy(&f, p, 64);
+        memcpy(&f, p, sizeof f);
     }
     return f;
 }
 
-static inline float hsum16(v16f v) {
+static inline float hsum(vecf v) {
     float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
+    for (int i = 0; i < VLEN; i++) s += v[i];
     return s;
 }
 
 /* Rows [o0, o1) of w for NB (1..4) input rows: each weight row is read once and used NB
    times. `always_inline` + constant NB lets the compiler keep the accumulators in registers. */
-static inline __attribute__((always_inline)) void linear_block(const float *x, const void *w, int wdtype, float *y,
+static inline __attribute__((always_inline)) void linear_block(const float *x, const void *w, const int wdtype, float *y,
                                                                int64_t K, int64_t O, int64_t o0, int64_t o1, const int NB) {
-    const int64_t K16 = K & ~(int64_t)15;
+    const int64_t KV = K & ~(int64_t)(VLEN - 1);
     for (int64_t o = o0; o < o1; o++) {
         const void *row = at(w, o * K, wdtype);
-        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t k = 0; k < K16; k += 16) {
-            v16f wv = load16(at(row, k, wdtype), wdtype);
-            a0 += wv * load16(x + k, F32);
-            if (NB > 1) a1 += wv * load16(x + K + k, F32);
-            if (NB > 2) a2 += wv * load16(x + 2 * K + k, F32);
-            if (NB > 3) a3 += wv * load16(x + 3 * K + k, F32);
+        vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t k = 0; k < KV; k += VLEN) {
+            vecf wv = load_vec(at(row, k, wdtype), wdtype);
+            a0 += wv * load_vec(x + k, F32);
+            if (NB > 1) a1 += wv * load_vec(x + K + k, F32);
+            if (NB > 2) a2 += wv * load_vec(x + 2 * K + k, F32);
+            if (NB > 3) a3 += wv * load_vec(x + 3 * K + k, F32);
         }
-        float s[4] = {hsum16(a0), NB > 1 ? hsum16(a1) : 0.f, NB > 2 ? hsum16(a2) : 0.f, NB > 3 ? hsum16(a3) : 0.f};
-        for (int64_t k = K16; k < K; k++) {
+        float s[4] = {hsum(a0), NB > 1 ? hsum(a1) : 0.f, NB > 2 ? hsum(a2) : 0.f, NB > 3 ? hsum(a3) : 0.f};
+        for (int64_t k = KV; k < K; k++) {
             float wk = wdtype == BF16 ? bf16_to_f32(((const bf16_t *)row)[k]) : ((const float *)row)[k];
             for (int b = 0; b < NB; b++) s[b] += wk * x[b * K + k];
         }
@@ -110,24 +121,88 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, c
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The same for bf16 x and w with the AVX512-BF16 dot-product instruction: 32 weights per
+   instruction, no conversion (products are exact in fp32; pairs are summed first). (Two
+   weight rows per pass, to share x's loads, measured slower here: 1.3-1.6x at 1-8 rows.) */
+static inline __attribute__((always_inline)) void linear_block_dpbf16(const bf16_t *x, const bf16_t *w, float *y,
+                                                                      int64_t K, int64_t O, int64_t o0, int64_t o1,
+                                                                      const int NB) {
+    const int64_t K32 = K & ~(int64_t)31;
+    for (int64_t o = o0; o < o1; o++) {
+        const bf16_t *row = w + o * K;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < K32; k += 32) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k);
+            a0 = _mm512_dpbf16_ps(a0, wv, (__m512bh)_mm512_loadu_si512(x + k));
+            if (NB > 1) a1 = _mm512_dpbf16_ps(a1, wv, (__m512bh)_mm512_loadu_si512(x + K + k));
+            if (NB > 2) a2 = _mm512_dpbf16_ps(a2, wv, (__m512bh)_mm512_loadu_si512(x + 2 * K + k));
+            if (NB > 3) a3 = _mm512_dpbf16_ps(a3, wv, (__m512bh)_mm512_loadu_si512(x + 3 * K + k));
+        }
+        float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                      _mm512_reduce_add_ps(a3)};
+        for (int b = 0; b < NB; b++) {
+            for (int64_t k = K32; k < K; k++) s[b] += bf16_to_f32(row[k]) * bf16_to_f32(x[b * K + k]);
+            y[b * O + o] = s[b];
+        }
+    }
+}
+#endif
+
+/* Rows of w are taken in tiles small enough to stay in L1 while every group of 4 input rows
+   passes over them: the weights come from memory once, whatever B is. */
+#define LINEAR_TILE_ROWS 16
+
 /* x: [B, K] (dtype), w: [O, K] (dtype), bias: [O] or NULL, y: [B, O] (dtype). */
 void pd_linear(const void *x, const void *w, const void *bias, void *y, int64_t B, int64_t K, int64_t O, int dtype,
                int nthreads) {
-    float *xf = aligned_alloc(64, ((B * K * sizeof(float) + 63) / 64) * 64);
     float *yf = aligned_alloc(64, ((B * O * sizeof(float) + 63) / 64) * 64);
-    load_row(xf, x, B * K, dtype);
+#if defined(__AVX512BF16__)
+    const int dpbf16 = dtype == BF16;
+#else
+    const int dpbf16 = 0;
+#endif
+    float *xf = NULL;
+    if (!dpbf16) {
+        xf = aligned_alloc(64, ((B * K * sizeof(float) + 63) / 64) * 64);
+        load_row(xf, x, B * K, dtype);
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int64_t o0 = O * t / n, o1 = O * (t + 1) / n;
-        for (int64_t b = 0; b < B; b += 4) {
-            const float *xb = xf + b * K;
-            float *yb = yf + b * O;
-            switch (B - b < 4 ? B - b : 4) {
-            case 1: linear_block(xb, w, dtype, yb, K, O, o0, o1, 1); break;
-            case 2: linear_block(xb, w, dtype, yb, K, O, o0, o1, 2); break;
-            case 3: linear_block(xb, w, dtype, yb, K, O, o0, o1, 3); break;
-            default: linear_block(xb, w, dtype, yb, K, O, o0, o1, 4); break;
+        for (int64_t tile = o0; tile < o1; tile += LINEAR_TILE_ROWS) {
+            int64_t tile_end = tile + LINEAR_TILE_ROWS < o1 ? tile + LINEAR_TILE_ROWS : o1;
+            for (int64_t b = 0; b < B; b += 4) {
+                const int nb = B - b < 4 ? (int)(B - b) : 4;
+                float *yb = yf + b * O;
+#if defined(__AVX512BF16__)
+                if (dpbf16) {
+                    const bf16_t *xb = (const bf16_t *)x + b * K;
+                    switch (nb) {
+                    case 1: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 1); break;
+                    case 2: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 2); break;
+                    case 3: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 3); break;
+                    default: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 4); break;
+                    }
+                    continue;
+                }
+#endif
+                const float *xb = xf + b * K;
+                /* constant dtype and row count in each call: no branch is left in the loop */
+#define LINEAR_BLOCK(DT)                                                       \
+    switch (nb) {                                                              \
+    case 1: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 1); break;       \
+    case 2: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 2); break;       \
+    case 3: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 3); break;       \
+    default: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 4); break;      \
+    }
+                if (dtype == BF16) {
+                    LINEAR_BLOCK(BF16)
+                } else {
+                    LINEAR_BLOCK(F32)
+                }
+#undef LINEAR_BLOCK
             }
         }
     }
