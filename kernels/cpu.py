@@ -102,14 +102,20 @@ def enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "1") != "0"
 
 
+_unavailable_because = ""
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run (the reason is logged once)."""
+    global _unavailable_because
     if not enabled():
+        _unavailable_because = f"{SWITCH_ENV}=0"
         return None
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _unavailable_because = str(e)
         log.warning("CPU kernels unavailable, using torch's ops instead: %s", e)
         return None
     for name, argtypes in _SIGNATURES.items():
@@ -120,6 +126,14 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def describe() -> str:
+    """Which CPU path the hot ops take, for the log line at model load."""
+    if library() is None:
+        return f"torch reference ops ({_unavailable_because})"
+    isa = [f for f in compile_flags() if f.startswith("-mno-avx512f") or f == "-mno-avx"]
+    return "C kernels built for this CPU" + (f" (capped: {' '.join(isa)})" if isa else "")
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from cluster.config import GGUF_SUFFIX
 from cluster.cpu_features import detect
+from kernels import cpu as cpu_kernels
 from cluster.model.checkpoint import Checkpoint, HFCheckpoint, ModelLoadError
 from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch
@@ -116,6 +117,8 @@ def load_model(
     _load_weights(model, checkpoint, arch)
     model.fuse()
     model.eval().requires_grad_(False)
+    if device == "cpu":  # built (or found cached) now, not on the first request
+        log.info("CPU ops: %s", cpu_kernels.describe())
     return LoadedModel(model, arch, torch_dtype, max_len, checkpoint.eos_token_ids())
 
 

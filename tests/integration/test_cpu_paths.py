@@ -15,10 +15,12 @@ PDSERVE = [sys.executable, "-m", "cluster.cli"]
 QUESTION = "What is the capital of France?"
 
 
-def run(*args, disable: str | None = None, **kw):
+def run(*args, disable: str | None = None, c_kernels: bool = True, **kw):
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "PDSERVE_CPU_DISABLE")}
     if disable:
         env["PDSERVE_CPU_DISABLE"] = disable
+    if not c_kernels:
+        env["PDSERVE_CPU_KERNELS"] = "0"
     return subprocess.run([*args], capture_output=True, text=True, timeout=300, env=env, **kw)
 
 
@@ -56,3 +58,15 @@ def test_auto_dtype_on_an_avx2_cpu_is_float32_and_says_why():
     assert r.returncode == 0, r.stderr
     assert "dtype auto -> float32" in r.stderr and "forced off" in r.stderr
     assert "Paris" in r.stdout
+
+
+@pytest.mark.parametrize("disable", [None, "avx512"])
+def test_c_kernels_give_the_torch_reference_tokens_in_float32(disable):
+    """The whole model on the C kernels (native, and built for AVX2) vs torch's reference
+    ops: the same greedy tokens, 48 of them, in float32."""
+    args = [*PDSERVE, "generate", "--chat", "Name three rivers of Europe.", "--max-tokens", "48", "--dtype", "float32"]
+    with_c, reference = run(*args, disable=disable), run(*args, disable=disable, c_kernels=False)
+    assert with_c.returncode == 0 and reference.returncode == 0, with_c.stderr + reference.stderr
+    assert "CPU ops: C kernels built for this CPU" in with_c.stderr
+    assert "CPU ops: torch reference ops (PDSERVE_CPU_KERNELS=0)" in reference.stderr
+    assert with_c.stdout == reference.stdout and len(with_c.stdout.split()) > 10
