@@ -24,6 +24,7 @@ from cluster.bench.plots import plot_engine_bench
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from kernels import cpu as cpu_kernels
 
 
 def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -198,6 +199,7 @@ def run_engine_bench(args) -> int:
         "read_bandwidth_gbs": bandwidth / 1e9,
         "roofline_step_ms": roofline_ms,
         "matmul_gflops": matmul_flops / 1e9,
+        "cpu_ops": cpu_kernels.describe(),  # PDSERVE_CPU_KERNELS=0 measures torch's reference ops
         "runs": [],
     }
     hf_model = None if args.no_transformers else load_transformers(args.model, engine.loaded.dtype)
@@ -222,7 +224,8 @@ def run_engine_bench(args) -> int:
             results["runs"].append(run)
     engine.close()  # tensor parallel: the other ranks' processes
 
-    print(f"\nweights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
+    print(f"\nCPU ops: {results['cpu_ops']}")
+    print(f"weights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
     print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")
     for run in results["runs"]:
         for system in ("pdserve", "transformers"):

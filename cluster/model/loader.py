@@ -16,7 +16,6 @@ from tqdm import tqdm
 
 from cluster.config import GGUF_SUFFIX
 from cluster.cpu_features import detect
-from kernels import cpu as cpu_kernels
 from cluster.model.checkpoint import Checkpoint, HFCheckpoint, ModelLoadError
 from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch
@@ -24,6 +23,7 @@ from cluster.model.gguf_checkpoint import GGUFCheckpoint
 from cluster.model.rotary import RotaryEmbedding
 from cluster.model.sharding import VOCAB_TENSORS, tensor_slice
 from cluster.model.tp_group import SINGLE, TensorParallelGroup
+from kernels import cpu as cpu_kernels
 
 log = logging.getLogger(__name__)
 
