@@ -51,8 +51,8 @@ _ISA_CAPS = {
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "pd_linear": [_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32],
-    "pd_rms_norm": [_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32],
-    "pd_rotary": [_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32],
+    "pd_rms_norm": [_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32],
+    "pd_rotary": [_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i32],
     "pd_store_kv": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i32, _i32],
     "pd_paged_attention_decode": [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32],
 }
@@ -164,7 +164,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, hidden)  # a view when x's rows are evenly spaced (per-head norms on q/k)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
     library().pd_rms_norm(out.data_ptr(), rows.data_ptr(), rows.stride(0), weight.data_ptr(), rows.shape[0], hidden, eps,
-                          DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], DTYPE_CODES[out.dtype])
+                          DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], DTYPE_CODES[out.dtype], _threads())
     return out.view(x.shape)
 
 
@@ -174,7 +174,7 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tenso
         x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     library().pd_rotary(out.data_ptr(), x.data_ptr(), x.stride(0), tokens, heads, head_dim, positions.data_ptr(),
-                        cos_sin_cache.data_ptr(), DTYPE_CODES[x.dtype])
+                        cos_sin_cache.data_ptr(), DTYPE_CODES[x.dtype], _threads())
     return out
 
 

@@ -216,25 +216,31 @@ void pd_linear(const void *x, const void *w, const void *bias, void *y, int64_t 
     free(yf);
 }
 
+/* Row-wise ops split their rows over the threads only from this many rows (a prefill):
+   below it, waking the pool costs more than the work. */
+#define PARALLEL_MIN_ROWS 32
+
 /* ---- RMSNorm, Hugging Face numerics: normalise in fp32, round to x's dtype, then scale ---- */
 
 /* x: [N, H] rows x_stride apart; weight: [H] (w_dtype); out: [N, H] contiguous (out_dtype). */
 void pd_rms_norm(void *out, const void *x, int64_t x_stride, const void *weight, int64_t N, int64_t H, float eps,
-                 int dtype, int w_dtype, int out_dtype) {
-    float *row = malloc(H * sizeof(float));
-    float *wf = malloc(H * sizeof(float));
-    load_row(wf, weight, H, w_dtype);
-    for (int64_t i = 0; i < N; i++) {
-        load_row(row, at(x, i * x_stride, dtype), H, dtype);
-        float ss = 0.f;
+                 int dtype, int w_dtype, int out_dtype, int nthreads) {
+#pragma omp parallel num_threads(N >= PARALLEL_MIN_ROWS ? nthreads : 1)
+    {
+        float *row = malloc(H * sizeof(float)), *wf = malloc(H * sizeof(float));
+        load_row(wf, weight, H, w_dtype);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N; i++) {
+            load_row(row, at(x, i * x_stride, dtype), H, dtype);
+            float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-        for (int64_t j = 0; j < H; j++) ss += row[j] * row[j];
-        float inv = 1.f / sqrtf(ss / (float)H + eps);
-        for (int64_t j = 0; j < H; j++) row[j] = wf[j] * round_to(row[j] * inv, dtype);
-        store_row(at(out, i * H, out_dtype), row, H, out_dtype);
+            for (int64_t j = 0; j < H; j++) ss += row[j] * row[j];
+            float inv = 1.f / sqrtf(ss / (float)H + eps);
+            for (int64_t j = 0; j < H; j++) row[j] = wf[j] * round_to(row[j] * inv, dtype);
+            store_row(at(out, i * H, out_dtype), row, H, out_dtype);
+        }
+        free(row), free(wf);
     }
-    free(row);
-    free(wf);
 }
 
 /* ---- rotary embedding (rotate-half layout), Hugging Face numerics ---- */
@@ -243,24 +249,28 @@ void pd_rms_norm(void *out, const void *x, int64_t x_stride, const void *weight,
    fp32 [P, D] (cos in the first half, sin in the second). In bf16 every product and the
    sum are rounded, as torch's `x * cos + rotate_half(x) * sin` rounds them. */
 void pd_rotary(void *out, const void *x, int64_t x_stride, int64_t T, int64_t H, int64_t D, const int64_t *positions,
-               const float *cos_sin, int dtype) {
+               const float *cos_sin, int dtype, int nthreads) {
     const int64_t half = D / 2;
-    float *row = malloc(D * sizeof(float)), *res = malloc(D * sizeof(float));
-    float *c = malloc(half * sizeof(float)), *s = malloc(half * sizeof(float));
-    for (int64_t t = 0; t < T; t++) {
-        const float *cs = cos_sin + positions[t] * D;
-        for (int64_t i = 0; i < half; i++) c[i] = round_to(cs[i], dtype), s[i] = round_to(cs[half + i], dtype);
-        for (int64_t h = 0; h < H; h++) {
-            load_row(row, at(x, t * x_stride + h * D, dtype), D, dtype);
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = row[i], x2 = row[half + i];
-                res[i] = round_to(round_to(x1 * c[i], dtype) + round_to(-x2 * s[i], dtype), dtype);
-                res[half + i] = round_to(round_to(x2 * c[i], dtype) + round_to(x1 * s[i], dtype), dtype);
+#pragma omp parallel num_threads(T >= PARALLEL_MIN_ROWS ? nthreads : 1)
+    {
+        float *row = malloc(D * sizeof(float)), *res = malloc(D * sizeof(float));
+        float *c = malloc(half * sizeof(float)), *s = malloc(half * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const float *cs = cos_sin + positions[t] * D;
+            for (int64_t i = 0; i < half; i++) c[i] = round_to(cs[i], dtype), s[i] = round_to(cs[half + i], dtype);
+            for (int64_t h = 0; h < H; h++) {
+                load_row(row, at(x, t * x_stride + h * D, dtype), D, dtype);
+                for (int64_t i = 0; i < half; i++) {
+                    float x1 = row[i], x2 = row[half + i];
+                    res[i] = round_to(round_to(x1 * c[i], dtype) + round_to(-x2 * s[i], dtype), dtype);
+                    res[half + i] = round_to(round_to(x2 * c[i], dtype) + round_to(x1 * s[i], dtype), dtype);
+                }
+                store_row(at(out, (t * H + h) * D, dtype), res, D, dtype);
             }
-            store_row(at(out, (t * H + h) * D, dtype), res, D, dtype);
         }
+        free(row), free(res), free(c), free(s);
     }
-    free(row), free(res), free(c), free(s);
 }
 
 /* ---- write new tokens' K/V rows into the paged cache ---- */

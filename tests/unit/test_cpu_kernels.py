@@ -74,7 +74,7 @@ def test_linear_takes_a_strided_input():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hidden", [(1, 576), (7, 100)])
+@pytest.mark.parametrize("tokens, hidden", [(1, 576), (7, 100), (70, 64)])  # 70: rows split over threads
 def test_rms_norm_matches_reference(dtype, tokens, hidden):
     x, w = torch.randn(tokens, hidden).to(dtype), torch.randn(hidden).to(dtype)
     out = cpu.rms_norm(x, w, 1e-6)
@@ -96,13 +96,14 @@ def test_rms_norm_per_head_on_a_strided_view():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotary_equals_reference_on_qkv_views(dtype, head_dim):
-    tokens, hq, hk = 6, 4, 2
+@pytest.mark.parametrize("tokens", [6, 40])  # 40: tokens split over threads
+def test_rotary_equals_reference_on_qkv_views(dtype, head_dim, tokens):
+    hq, hk = 4, 2
     qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim).to(dtype)
     q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
     k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(tokens, hk, head_dim)
     before = qkv.clone()
-    positions, cache = torch.tensor([0, 3, 9, 1, 30, 31]), _cos_sin_cache(32, head_dim)
+    positions, cache = torch.randint(0, 32, (tokens,)), _cos_sin_cache(32, head_dim)
     for got, want in zip(cpu.rotary(q, k, positions, cache), rotary_reference(q, k, positions, cache)):
         assert got.dtype == dtype and torch.equal(got, want)
     assert torch.equal(qkv, before)  # inputs untouched, as the reference
