@@ -9,18 +9,21 @@ import sys
 
 import pytest
 
+from cluster.config import CacheConfig
 from cluster.cpu_features import detect
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+from cluster.model.builtin import builtin_model_path
+from kernels import cpu as cpu_kernels
 
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
 QUESTION = "What is the capital of France?"
 
 
-def run(*args, disable: str | None = None, c_kernels: bool = True, **kw):
+def run(*args, disable: str | None = None, **kw):
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "PDSERVE_CPU_DISABLE")}
     if disable:
         env["PDSERVE_CPU_DISABLE"] = disable
-    if not c_kernels:
-        env["PDSERVE_CPU_KERNELS"] = "0"
     return subprocess.run([*args], capture_output=True, text=True, timeout=300, env=env, **kw)
 
 
@@ -57,16 +60,43 @@ def test_auto_dtype_on_an_avx2_cpu_is_float32_and_says_why():
     r = run(*PDSERVE, "generate", "--chat", QUESTION, "--max-tokens", "12", disable="avx512")
     assert r.returncode == 0, r.stderr
     assert "dtype auto -> float32" in r.stderr and "forced off" in r.stderr
+    assert "CPU ops: C kernels built for this CPU (capped: -mno-avx512f)" in r.stderr
     assert "Paris" in r.stdout
 
 
-@pytest.mark.parametrize("disable", [None, "avx512"])
-def test_c_kernels_give_the_torch_reference_tokens_in_float32(disable):
-    """The whole model on the C kernels (native, and built for AVX2) vs torch's reference
-    ops: the same greedy tokens, 48 of them, in float32."""
-    args = [*PDSERVE, "generate", "--chat", "Name three rivers of Europe.", "--max-tokens", "48", "--dtype", "float32"]
-    with_c, reference = run(*args, disable=disable), run(*args, disable=disable, c_kernels=False)
-    assert with_c.returncode == 0 and reference.returncode == 0, with_c.stderr + reference.stderr
-    assert "CPU ops: C kernels built for this CPU" in with_c.stderr
-    assert "CPU ops: torch reference ops (PDSERVE_CPU_KERNELS=0)" in reference.stderr
-    assert with_c.stdout == reference.stdout and len(with_c.stdout.split()) > 10
+@pytest.fixture
+def kernel_switch(monkeypatch):
+    """Switch the C kernels (kernels/cpu.py) within this process: build them capped at an
+    ISA, or turn them off; the library is reloaded at the next op."""
+
+    def switch(*, isa: str | None = None, on: bool = True) -> None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        if isa:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        monkeypatch.setenv(cpu_kernels.SWITCH_ENV, "1" if on else "0")
+        cpu_kernels.library.cache_clear()
+
+    yield switch
+    monkeypatch.undo()
+    cpu_kernels.library.cache_clear()
+
+
+def test_c_kernels_give_the_torch_reference_tokens_in_float32(kernel_switch):
+    """The whole model (the built-in one, float32, greedy) on the C kernels built for this
+    CPU, on the C kernels capped at AVX2, and on torch's reference ops: the same tokens.
+    A batch of 2 takes the C linear (2 rows); a batch of 3 takes oneDNN beside the other kernels."""
+    engine = Engine.from_pretrained(str(builtin_model_path()), dtype="float32", max_model_len=512, cache=CacheConfig(memory_gib=0.25))
+    prompts = ["Name three rivers of Europe.", "Count from one to ten:", "The capital of Italy is"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        return [c.token_ids for n in (2, 3) for c in engine.generate(prompts[:n], params)]
+
+    runs = {}
+    for name, isa, on in (("native", None, True), ("avx2", "AVX2", True), ("reference", None, False)):
+        kernel_switch(isa=isa, on=on)
+        assert cpu_kernels.available() == on
+        runs[name] = tokens()
+    engine.close()
+    assert runs["native"] == runs["reference"] and runs["avx2"] == runs["reference"]
+    assert all(len(t) == 32 for t in runs["reference"])

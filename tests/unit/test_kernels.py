@@ -345,6 +345,7 @@ def test_public_ops_use_the_reference_on_cpu_with_the_c_kernels_off(reference_on
         "DecodeGather", "apply_rotary", "decode_gather", "paged_attention_decode", "rms_norm", "silu_and_mul", "store_kv"
     ]
     assert not cpu.available()
+    assert cpu.describe() == "torch reference ops (PDSERVE_CPU_KERNELS=0)"
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
     assert torch.equal(kernels.silu_and_mul(x), silu_and_mul_reference(x))
