@@ -122,6 +122,20 @@ def isa_limits(features: CpuFeatures) -> dict[str, str]:
     return {"ONEDNN_MAX_CPU_ISA": onednn, "ATEN_CPU_CAPABILITY": aten}
 
 
+# The GCC/Clang switch that keeps generated code off each capability, and everything that
+# needs it (-mno-avx512f drops every AVX-512 extension). None for AMX: no C kernel uses it.
+_COMPILER_SWITCHES = {"avx2": "-mno-avx", "avx512": "-mno-avx512f", "avx512_bf16": "-mno-avx512bf16", "amx": None}
+
+
+def compiler_isa_flags(features: CpuFeatures) -> list[str]:
+    """Switches that keep `-march=native` C code (kernels/cpu.py) within `features`
+    (empty: no limit needed). The first capability off is enough: the rest need it."""
+    if not features.disabled:
+        return []
+    off = [name for name in CAPABILITIES if not getattr(features, name) and _COMPILER_SWITCHES[name]]
+    return [_COMPILER_SWITCHES[off[0]]] if off else []
+
+
 def apply_isa_limits() -> None:
     """Cap torch at the detected (possibly reduced) capabilities. Must run before torch
     is imported: both libraries read these variables once, when they first need them."""

@@ -6,12 +6,13 @@ numerical spec (tests compare the two) and the path where the kernels cannot run
   - a dtype other than float32 / bfloat16;
   - `PDSERVE_CPU_KERNELS=0` (the switch that forces the reference path anywhere).
 
-Build: `cc -O3 -march=native`, capped at the ISA torch's oneDNN is capped at
-(`ONEDNN_MAX_CPU_ISA`, which PDSERVE_CPU_DISABLE sets), so the AVX2 code of an AVX-512
-machine can be built and tested there. The library is cached under
-~/.cache/pdserve/kernels by a hash of the source, the flags, and what the compiler makes
-of `-march=native` on this CPU: a different CPU never loads a library built for another.
-Plain C without torch's headers: a build takes about a second.
+Build: `cc -O3 -march=native`, plus the `-mno-*` switches that `configure()` is given
+(cluster/cpu_features.py derives them from PDSERVE_CPU_DISABLE, and the model loader
+passes them), so the AVX2 code of an AVX-512 machine can be built and tested there. The
+library is cached under ~/.cache/pdserve/kernels by a hash of the source, the flags, the
+compiler binary and this CPU's identity (/proc/cpuinfo, what `-march=native` reads): a
+different CPU never loads a library built for another, and a cached library costs no
+compiler run. Plain C without torch's headers: a build takes about a second.
 
 Calls go through ctypes with raw pointers (a few microseconds each); torch's OpenMP
 runtime is already loaded when the library is, so both share one thread pool.
@@ -24,6 +25,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -38,15 +40,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
-# oneDNN's ISA cap -> the compiler switches that keep the kernels within it.
-_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
-_ISA_CAPS = {
-    "AVX512_CORE_AMX": [],
-    "AVX512_CORE_BF16": _NO_AMX,
-    "AVX512_CORE": ["-mno-avx512bf16", *_NO_AMX],
-    "AVX2": ["-mno-avx512f", *_NO_AMX],
-    "SSE41": ["-mno-avx", "-mno-avx2", "-mno-fma", "-mno-avx512f", *_NO_AMX],
-}
+_isa_flags: tuple[str, ...] = ()  # set by configure()
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -58,21 +52,38 @@ _SIGNATURES = {
 }
 
 
+def configure(isa_flags: list[str] | tuple[str, ...]) -> None:
+    """Keep the kernels off the ISA extensions these `-mno-*` switches name (empty: all
+    of this CPU's). A change takes effect at the next op: the library is loaded again."""
+    global _isa_flags
+    if tuple(isa_flags) != _isa_flags:
+        _isa_flags = tuple(isa_flags)
+        _load.cache_clear()
+
+
 def compile_flags() -> list[str]:
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX").upper()
-    isa = _ISA_CAPS.get(cap, _ISA_CAPS["SSE41"])  # an unknown cap: the safest code
-    return ["-O3", "-march=native", *isa, "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+    return ["-O3", "-march=native", *_isa_flags, "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _this_cpu() -> str:
+    """What `-march=native` reads: the CPU's vendor, family, model and feature flags."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = ("vendor_id", "cpu family", "model", "model name", "flags")
+    return "\n".join(line for line in first.splitlines() if line.split(":", 1)[0].strip() in fields)
+
+
 def _library_path(cc: str, flags: list[str]) -> Path:
-    # What `-march=native` enables here names both the compiler and this CPU.
-    target = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout + subprocess.run(
-        [cc, *flags, "-Q", "--help=target"], capture_output=True, text=True, check=True).stdout
-    key = "\n".join([SOURCE.read_text(), " ".join(flags), target])
+    binary = Path(shutil.which(cc) or cc).resolve()
+    stat = binary.stat()
+    compiler = f"{binary} {stat.st_size} {stat.st_mtime_ns}"  # a compiler upgrade rebuilds
+    key = "\n".join([SOURCE.read_text(), " ".join(flags), compiler, _this_cpu()])
     return CACHE_DIR / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -102,26 +113,30 @@ def enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "1") != "0"
 
 
-_unavailable_because = ""
-
-
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot run (the reason is logged once)."""
-    global _unavailable_because
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded kernels, "") or (None, why they cannot run); the failure is logged once."""
     if not enabled():
-        _unavailable_because = f"{SWITCH_ENV}=0"
-        return None
+        return None, f"{SWITCH_ENV}=0"
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _unavailable_because = str(e)
         log.warning("CPU kernels unavailable, using torch's ops instead: %s", e)
-        return None
+        return None, str(e)
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
-    return lib
+    return lib, ""
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run."""
+    return _load()[0]
+
+
+def reload() -> None:
+    """Load the library again at the next op (after PDSERVE_CPU_KERNELS changed)."""
+    _load.cache_clear()
 
 
 def available() -> bool:
@@ -130,10 +145,10 @@ def available() -> bool:
 
 def describe() -> str:
     """Which CPU path the hot ops take, for the log line at model load."""
-    if library() is None:
-        return f"torch reference ops ({_unavailable_because})"
-    isa = [f for f in compile_flags() if f.startswith("-mno-avx512f") or f == "-mno-avx"]
-    return "C kernels built for this CPU" + (f" (capped: {' '.join(isa)})" if isa else "")
+    lib, unavailable_because = _load()
+    if lib is None:
+        return f"torch reference ops ({unavailable_because})"
+    return "C kernels built for this CPU" + (f" (capped: {' '.join(_isa_flags)})" if _isa_flags else "")
 
 
 def usable(*tensors: torch.Tensor) -> bool:

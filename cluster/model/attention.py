@@ -25,6 +25,7 @@ from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
 from cluster.model.tp_group import SINGLE, TensorParallelGroup
 from kernels import DecodeGather, paged_attention_decode, store_kv
+from kernels import cpu as cpu_kernels
 
 
 def attention_in_fp32(q: torch.Tensor) -> bool:
@@ -111,7 +112,9 @@ class Attention(nn.Module):
         out = torch.empty_like(q)  # [T, Hq, D]
         D = meta.num_decode_tokens
         if D:
-            q_decode = q[:D].float() if attention_in_fp32(q) else q[:D]  # (the kernel casts K/V to q's dtype)
+            q_decode = q[:D]
+            if attention_in_fp32(q) and not cpu_kernels.usable(q):  # the C kernel computes in fp32 itself
+                q_decode = q_decode.float()  # (the reference casts K/V to q's dtype)
             out[:D] = paged_attention_decode(
                 q_decode, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, meta.decode_gather
             )

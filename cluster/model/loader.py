@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.config import GGUF_SUFFIX
-from cluster.cpu_features import detect
+from cluster.cpu_features import compiler_isa_flags, detect
 from cluster.model.checkpoint import Checkpoint, HFCheckpoint, ModelLoadError
 from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch
@@ -118,6 +118,7 @@ def load_model(
     model.fuse()
     model.eval().requires_grad_(False)
     if device == "cpu":  # built (or found cached) now, not on the first request
+        cpu_kernels.configure(compiler_isa_flags(detect()))
         log.info("CPU ops: %s", cpu_kernels.describe())
     return LoadedModel(model, arch, torch_dtype, max_len, checkpoint.eos_token_ids())
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cluster import cpu_features
-from cluster.cpu_features import CpuCapabilityError, features_from_flags, isa_limits, parse_disabled
+from cluster.cpu_features import CpuCapabilityError, compiler_isa_flags, features_from_flags, isa_limits, parse_disabled
 from cluster.model import linear, loader
 
 AVX2 = {"avx", "avx2", "fma"}
@@ -34,6 +34,18 @@ def test_disabling_a_capability_disables_what_needs_it():
     assert isa_limits(f)["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
     assert features_from_flags(SAPPHIRE_RAPIDS, parse_disabled("amx")).kind == "avx512_bf16"
     assert "forced off" in f.describe()
+
+
+def test_compiler_switches_follow_what_is_forced_off():
+    def switches(disabled: str, flags=SAPPHIRE_RAPIDS) -> list[str]:
+        return compiler_isa_flags(features_from_flags(flags, parse_disabled(disabled)))
+
+    assert switches("") == [] and switches("", AVX2) == []  # -march=native alone is right
+    assert switches("avx512") == ["-mno-avx512f"]  # which drops every AVX-512 extension
+    assert switches("avx512_bf16") == ["-mno-avx512bf16"]
+    assert switches("amx") == []  # no C kernel uses AMX
+    assert switches("avx2") == ["-mno-avx"]
+    assert switches("amx", AVX2) == ["-mno-avx512f"]  # harmless where AVX-512 is absent anyway
 
 
 def test_unknown_capability_names_the_known_ones():

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cluster.cpu_features import compiler_isa_flags, cpu_flags, features_from_flags
 from kernels import cpu
 from kernels.kv_store import store_kv_reference
 from kernels.rms_norm import rms_norm_reference
@@ -19,6 +20,7 @@ from kernels.rotary import rotary_reference
 from tests.unit.test_kernels import _caches, _cos_sin_cache, _naive_decode_attention, _paged_setup, _tol
 
 DTYPES = [torch.float32, torch.bfloat16]
+AVX2_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx512"})))  # as on an AVX2-only EPYC
 
 
 @pytest.fixture(autouse=True)
@@ -27,15 +29,12 @@ def _seed():
 
 
 @pytest.fixture(params=["native", "AVX2"], autouse=True)
-def isa(request, monkeypatch, tmp_path_factory):
+def isa(request):
     """Every test runs on the library built for this CPU and on the one capped at AVX2."""
-    if request.param != "native":
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", request.param)
-    cpu.library.cache_clear()
+    cpu.configure(AVX2_FLAGS if request.param == "AVX2" else [])
     assert cpu.available(), "the C kernels did not build"
     yield request.param
-    monkeypatch.undo()
-    cpu.library.cache_clear()
+    cpu.configure([])
 
 
 def _uses_avx512(path) -> bool:
@@ -146,7 +145,7 @@ def test_paged_attention_softmax_survives_large_scores():
 def test_a_missing_compiler_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(cpu, "CACHE_DIR", tmp_path / "cache")  # nothing cached to load
-    cpu.library.cache_clear()
+    cpu.reload()
     assert not cpu.available()
     assert "CPU kernels unavailable" in caplog.text
     x, w = torch.randn(3, 64), torch.randn(64)

@@ -334,10 +334,10 @@ def test_paged_attention_empty_context_gives_zeros(attention):
 def reference_only(monkeypatch):
     """The C kernels switched off: the public ops fall back to torch's reference."""
     monkeypatch.setenv(cpu.SWITCH_ENV, "0")
-    cpu.library.cache_clear()
+    cpu.reload()
     yield
     monkeypatch.undo()
-    cpu.library.cache_clear()
+    cpu.reload()
 
 
 def test_public_ops_use_the_reference_on_cpu_with_the_c_kernels_off(reference_only):
