@@ -22,7 +22,12 @@ SmolLM2-135M's 30 layers, weights cold as in a real step), C kernel vs packed on
     fp32                   20 / 25.5     21 / 31      31 / 24
     fp32 capped at AVX2    16 / 30.5     18 / 35      28 / 42        39 / 46
 
-so the C kernel takes up to C_KERNEL_MAX_ROWS rows for its dtype, oneDNN the rest.
+and where oneDNN's fast paths are absent (same EPYC, capped at AVX2, 2 threads, ms):
+    rows                       4            8            16
+    fp32 (vs packed)       24 / 32      30-34 / 28-40  42 / 36
+    bf16 (vs F.linear: no native bf16, so nothing to pack)
+                           13 / 24      20 / 46      37 / 91
+so the C kernel takes up to `c_kernel_max_rows(dtype)` rows, oneDNN the rest.
 The packed copy costs one more copy of the weight in memory, so packing is opt-in
 (`pack_for_cpu`). bf16 packing needs native bf16 (AVX-512-BF16 or AMX,
 cluster/cpu_features.py): without it oneDNN refuses to pack (AVX2) or only emulates
@@ -37,7 +42,16 @@ from cluster.cpu_features import detect
 from kernels import cpu
 
 PACKED_MAX_ROWS = 256
-C_KERNEL_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 2}
+
+
+def c_kernel_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the C kernel beats the other paths on this CPU (the tables above)."""
+    cpu_features = detect()
+    if dtype == torch.bfloat16:
+        return 4 if cpu_features.native_bf16 else 16
+    if dtype == torch.float32:
+        return 2 if cpu_features.avx512 else 4
+    return 0
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -61,7 +75,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if x.shape[0] <= C_KERNEL_MAX_ROWS.get(x.dtype, 0) and x.dtype == self.weight.dtype and cpu.usable(x, self.weight):
+        if x.shape[0] <= c_kernel_max_rows(x.dtype) and x.dtype == self.weight.dtype and cpu.usable(x, self.weight):
             return cpu.linear(x, self.weight, self.bias)
         if self.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

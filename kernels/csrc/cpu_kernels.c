@@ -91,10 +91,22 @@ static inline vecf load_vec(const void *p, int dtype) {
     return f;
 }
 
+/* The sum of v's lanes by folding halves (log2(VLEN) adds deep; a lane-by-lane loop is a
+   serial chain of VLEN - 1 dependent adds, which GCC also emits for `omp simd` reductions). */
+typedef float vec4f __attribute__((vector_size(16)));
 static inline float hsum(vecf v) {
-    float s = 0.f;
-    for (int i = 0; i < VLEN; i++) s += v[i];
-    return s;
+#if VLEN == 16
+    typedef float vec8f __attribute__((vector_size(32)));
+    vec8f v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vec4f v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+#elif VLEN == 8
+    vec4f v4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+    vec4f v4 = v;
+#endif
+    vec4f v2 = v4 + __builtin_shufflevector(v4, v4, 2, 3, 0, 1);
+    return v2[0] + v2[1];
 }
 
 /* Rows [o0, o1) of w for NB (1..4) input rows: each weight row is read once and used NB
@@ -316,71 +328,109 @@ static inline float exp_nonpositive(float x) {
     return (r * r * p + r + 1.0f) * scale;
 }
 
+/* One cache block's rows [n, piece] -> fp32 blk [n, piece]: KV heads [h0, h0 + piece / D). */
+static void load_block(float *blk, const void *cache, int dtype, int64_t first, int64_t n, int64_t row, int64_t h0,
+                       int64_t D, int64_t piece) {
+    if (piece == row) {
+        load_row(blk, at(cache, first * row, dtype), n * row, dtype); /* whole rows: one run */
+    } else {
+        for (int64_t j = 0; j < n; j++) load_row(blk + j * piece, at(cache, (first + j) * row + h0 * D, dtype), piece, dtype);
+    }
+}
+
+/* Attention of one sequence's query heads [h0 * G, h1 * G) (KV heads [h0, h1)) over its L
+   cached positions: qf [nq, D] pre-scaled fp32, acc [nq, D] out, scores [nq, L], blk
+   [block_size, row] scratch. Exact softmax in fp32: all scores first, then the weights.
+   The cache is read a block at a time into blk (fp32, L1-resident), so the value sums
+   keep their accumulators in registers across the block's positions. */
+static void attend(float *acc, const float *qf, float *scores, float *blk, const void *k_cache, const void *v_cache,
+                   int kv_dtype, const int32_t *table, int64_t L, int64_t block_size, int64_t row, int64_t h0,
+                   int64_t h1, int64_t G, int64_t D) {
+    const int64_t nq = (h1 - h0) * G, piece = (h1 - h0) * D, DV = D & ~(int64_t)(VLEN - 1);
+    for (int64_t b = 0, p0 = 0; p0 < L; b++, p0 += block_size) {
+        const int64_t n = L - p0 < block_size ? L - p0 : block_size;
+        load_block(blk, k_cache, kv_dtype, (int64_t)table[b] * block_size, n, row, h0, D, piece);
+        for (int64_t h = 0; h < h1 - h0; h++) {
+            for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
+                const float *qh = qf + hq * D;
+                for (int64_t j = 0; j < n; j++) {
+                    const float *kh = blk + j * piece + h * D;
+                    vecf dot = {0};
+                    for (int64_t d = 0; d < DV; d += VLEN) dot += load_vec(qh + d, F32) * load_vec(kh + d, F32);
+                    float s = hsum(dot);
+                    for (int64_t d = DV; d < D; d++) s += qh[d] * kh[d];
+                    scores[hq * L + p0 + j] = s;
+                }
+            }
+        }
+    }
+    for (int64_t hq = 0; hq < nq; hq++) {
+        float *sh = scores + hq * L, m = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : m)
+        for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
+        for (int64_t p = 0; p < L; p++) sh[p] = exp_nonpositive(sh[p] - m);
+        for (int64_t p = 0; p < L; p++) sum += sh[p];
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < L; p++) sh[p] *= inv;
+    }
+    memset(acc, 0, nq * D * sizeof(float));
+    for (int64_t b = 0, p0 = 0; p0 < L; b++, p0 += block_size) {
+        const int64_t n = L - p0 < block_size ? L - p0 : block_size;
+        load_block(blk, v_cache, kv_dtype, (int64_t)table[b] * block_size, n, row, h0, D, piece);
+        for (int64_t h = 0; h < h1 - h0; h++) {
+            for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
+                const float *w = scores + hq * L + p0;
+                float *ah = acc + hq * D;
+                for (int64_t d = 0; d < DV; d += VLEN) {
+                    vecf a = load_vec(ah + d, F32);
+                    for (int64_t j = 0; j < n; j++) a += w[j] * load_vec(blk + j * piece + h * D + d, F32);
+                    memcpy(ah + d, &a, sizeof a);
+                }
+                for (int64_t d = DV; d < D; d++)
+                    for (int64_t j = 0; j < n; j++) ah[d] += w[j] * blk[j * piece + h * D + d];
+            }
+        }
+    }
+}
+
 /* q: [B, Hq, D] with token stride q_stride (heads D apart); caches: [num_blocks, block_size,
    Hk, D] contiguous; block_tables: [B, table_stride] int32; context_lens: [B] int32; out:
-   [B, Hq, D] contiguous (q's dtype). Query head h reads KV head h / (Hq / Hk). Exact softmax
-   in fp32 (all scores first, then the weights); context_len 0 gives zeros.
-   One work item is one sequence with all its heads, so each cache slot's row (all KV heads,
+   [B, Hq, D] contiguous (q's dtype). Query head h reads KV head h / (Hq / Hk); context_len 0
+   gives zeros.
+   A work item is one sequence with all its heads, so each cache slot's row (all KV heads,
    contiguous) is read once and in order: the cache is cold in a real step (every layer's
-   weights passed through since), and whole rows stream far better than per-head pieces. */
+   weights passed through since), and whole rows stream better than per-head pieces. With
+   fewer sequences than threads, an item is one KV head's group, so no thread idles. */
 void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q_dtype, const void *k_cache,
                                const void *v_cache, int kv_dtype, const int32_t *block_tables, int64_t table_stride,
                                const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                                int64_t block_size, float scale, int nthreads) {
-    const int64_t G = Hq / Hk, row = Hk * D;
-#pragma omp parallel num_threads(B < nthreads ? (int)(B > 0 ? B : 1) : nthreads)
+    const int64_t G = Hq / Hk, row = Hk * D, split = B < nthreads ? Hk : 1, items = B * split;
+#pragma omp parallel num_threads(items < nthreads ? (int)(items > 0 ? items : 1) : nthreads)
     {
         int64_t cap = 0;
-        float *scores = NULL; /* [Hq, L] */
-        float *qf = malloc(Hq * D * sizeof(float)), *acc = malloc(Hq * D * sizeof(float)), *kv = malloc(row * sizeof(float));
+        float *scores = NULL; /* [nq, L] */
+        float *qf = malloc(Hq * D * sizeof(float)), *acc = malloc(Hq * D * sizeof(float));
+        float *blk = malloc(block_size * row * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t L = context_lens[b];
-            const int32_t *table = block_tables + b * table_stride;
-            memset(acc, 0, Hq * D * sizeof(float));
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t b = item / split, h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
+            const int64_t L = context_lens[b], nq = (h1 - h0) * G;
             if (L > 0) {
-                if (L * Hq > cap) {
-                    cap = L * Hq;
+                if (L * nq > cap) {
+                    cap = L * nq;
                     free(scores);
                     scores = malloc(cap * sizeof(float));
                 }
-                load_row(qf, at(q, b * q_stride, q_dtype), Hq * D, q_dtype);
-                for (int64_t i = 0; i < Hq * D; i++) qf[i] *= scale;
-                for (int64_t p = 0; p < L; p++) {
-                    int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                    load_row(kv, at(k_cache, slot * row, kv_dtype), row, kv_dtype);
-                    for (int64_t hq = 0; hq < Hq; hq++) {
-                        const float *qh = qf + hq * D, *kh = kv + (hq / G) * D;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
-                        scores[hq * L + p] = dot;
-                    }
-                }
-                for (int64_t hq = 0; hq < Hq; hq++) {
-                    float *sh = scores + hq * L, m = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : m)
-                    for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t p = 0; p < L; p++) {
-                        sh[p] = exp_nonpositive(sh[p] - m);
-                        sum += sh[p];
-                    }
-                    const float inv = 1.f / sum;
-                    for (int64_t p = 0; p < L; p++) sh[p] *= inv;
-                }
-                for (int64_t p = 0; p < L; p++) {
-                    int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                    load_row(kv, at(v_cache, slot * row, kv_dtype), row, kv_dtype);
-                    for (int64_t hq = 0; hq < Hq; hq++) {
-                        const float w = scores[hq * L + p], *vh = kv + (hq / G) * D;
-                        float *ah = acc + hq * D;
-                        for (int64_t d = 0; d < D; d++) ah[d] += w * vh[d];
-                    }
-                }
+                load_row(qf, at(q, b * q_stride + h0 * G * D, q_dtype), nq * D, q_dtype);
+                for (int64_t i = 0; i < nq * D; i++) qf[i] *= scale;
+                attend(acc, qf, scores, blk, k_cache, v_cache, kv_dtype, block_tables + b * table_stride, L, block_size,
+                       row, h0, h1, G, D);
+            } else {
+                memset(acc, 0, nq * D * sizeof(float));
             }
-            store_row(at(out, b * Hq * D, q_dtype), acc, Hq * D, q_dtype);
+            store_row(at(out, (b * Hq + h0 * G) * D, q_dtype), acc, nq * D, q_dtype);
         }
-        free(scores), free(qf), free(acc), free(kv);
+        free(scores), free(qf), free(acc), free(blk);
     }
 }

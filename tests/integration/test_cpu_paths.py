@@ -84,7 +84,8 @@ def kernel_switch(monkeypatch):
 def test_c_kernels_give_the_torch_reference_tokens_in_float32(kernel_switch):
     """The whole model (the built-in one, float32, greedy) on the C kernels built for this
     CPU, on the C kernels capped at AVX2, and on torch's reference ops: the same tokens.
-    A batch of 2 takes the C linear (2 rows); a batch of 3 takes oneDNN beside the other kernels."""
+    A batch of 2 takes the C linear (2 rows); on an AVX-512 CPU a batch of 3 takes oneDNN
+    beside the other kernels."""
     engine = Engine.from_pretrained(str(builtin_model_path()), dtype="float32", max_model_len=512, cache=CacheConfig(memory_gib=0.25))
     prompts = ["Name three rivers of Europe.", "Count from one to ten:", "The capital of Italy is"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -109,6 +109,16 @@ def test_bf16_weights_are_prepacked_only_with_native_bf16_and_fp32_ones_everywhe
     assert not linear.can_pack(weight.half())
 
 
+def test_the_c_kernel_takes_more_rows_where_onednn_has_no_fast_path(cpu):
+    rows = linear.c_kernel_max_rows
+    cpu(ZEN4)
+    assert (rows(torch.bfloat16), rows(torch.float32), rows(torch.float16)) == (4, 2, 0)
+    cpu(AVX512)  # no native bf16: oneDNN cannot pack bf16 weights
+    assert (rows(torch.bfloat16), rows(torch.float32)) == (16, 2)
+    cpu(AVX2)
+    assert (rows(torch.bfloat16), rows(torch.float32)) == (16, 4)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_packed_path_computes_what_f_linear_does(rows, dtype):
