@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,12 +44,16 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _isa_flags: tuple[str, ...] = ()  # set by configure()
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "pd_linear": [_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32],
-    "pd_rms_norm": [_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32],
-    "pd_rotary": [_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i32],
-    "pd_store_kv": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i32, _i32],
-    "pd_paged_attention_decode": [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32],
+_SIGNATURES = {  # name: (argument types, result type)
+    "pd_packed_linear_numel": ([_i64, _i64, _i32], _i64),
+    "pd_packed_linear_layout": ([_i32], _i32),
+    "pd_pack_linear_weight": ([_p, _p, _i64, _i64, _i32], None),
+    "pd_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
+    "pd_rms_norm": ([_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32], None),
+    "pd_rotary": ([_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i32], None),
+    "pd_store_kv": ([_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i32, _i32], None),
+    "pd_paged_attention_decode": (
+        [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32], None),
 }
 
 
@@ -123,9 +128,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU kernels unavailable, using torch's ops instead: %s", e)
         return None, str(e)
-    for name, argtypes in _SIGNATURES.items():
+    for name, (argtypes, restype) in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = restype
     return lib, ""
 
 
@@ -163,14 +168,35 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # x: [B, K] -> [B, O]; weight [O, K] and bias [O] in x's dtype
-    x, weight = x.contiguous(), weight.contiguous()
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear's weight in the layout `linear` reads (blocks of output columns; see
+    pd_pack_linear_weight), packed once at model load."""
+
+    data: torch.Tensor
+    layout: int  # the loaded library's layout for this dtype: another build may differ
+    out_features: int
+    in_features: int
+
+    def fits_library(self) -> bool:
+        return library().pd_packed_linear_layout(DTYPE_CODES[self.data.dtype]) == self.layout
+
+
+def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
+    out_features, in_features = weight.shape
+    weight, code, lib = weight.contiguous(), DTYPE_CODES[weight.dtype], library()
+    data = torch.empty(lib.pd_packed_linear_numel(in_features, out_features, code), dtype=weight.dtype)
+    lib.pd_pack_linear_weight(weight.data_ptr(), data.data_ptr(), in_features, out_features, code)
+    return PackedWeight(data, lib.pd_packed_linear_layout(code), out_features, in_features)
+
+
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    # x: [B, K] -> [B, O]; the weight and bias in x's dtype
+    x = x.contiguous()
     bias = bias.to(x.dtype).contiguous() if bias is not None else None
-    rows, (out_features, in_features) = x.shape[0], weight.shape
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    library().pd_linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                        rows, in_features, out_features, DTYPE_CODES[x.dtype], _threads())
+    y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    library().pd_linear(x.data_ptr(), weight.data.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                        x.shape[0], weight.in_features, weight.out_features, DTYPE_CODES[x.dtype], _threads())
     return y
 
 

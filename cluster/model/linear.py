@@ -13,26 +13,26 @@ bytes streamed per second for 1 and 8 rows (decode steps of batch 1 and 8):
 F.linear 9-70.) So every row count up to PACKED_MAX_ROWS takes the packed path, and
 F.linear is used beyond (prefill), where it is as fast. All paths accumulate in fp32.
 
-Below both, for the few rows of a small decode step: the C kernel (kernels/cpu.py), which
-streams each weight row once for all rows. A step's linears on the same EPYC (2 threads,
-SmolLM2-135M's 30 layers, weights cold as in a real step), C kernel vs packed oneDNN, ms:
+Below both, for the rows of a decode step: the C kernel (kernels/cpu.py) on its own
+packed copy of the weight (blocks of output columns, each weight vector loaded once and
+used for every row from a register). A step's linears on the same EPYC (2 threads,
+SmolLM2-135M's 30 layers, weights cold as in a real step), C kernel vs oneDNN, ms, each
+pair measured side by side (alternating) in one run:
 
-    rows                       1            2            4            8
-    bf16 (AVX512-BF16)     7.5-11 / 15   9.2 / 16     10-11 / 13-16  ties
-    fp32                   20 / 25.5     21 / 31      31 / 24
-    fp32 capped at AVX2    16 / 30.5     18 / 35      28 / 42        39 / 46
+    rows                          1        4        8        16       32       64
+    bf16 (AVX512-BF16), packed    7 / 12   7 / 10   8 / 12   13 / 16  25 / 23  45 / 44
+    fp32, packed                 10 / 20  12 / 15  15 / 19   25 / 27  49 / 57
+    fp32 capped at AVX2, packed  14 / 22  19 / 31  24 / 28   41 / 47  65 / 55
+    bf16 capped at AVX2, F.linear                  22 / 54   38 / 100 75 / 211  (512: 1136 / 3551)
 
-and where oneDNN's fast paths are absent (same EPYC, capped at AVX2, 2 threads, ms):
-    rows                       4            8            16
-    fp32 (vs packed)       24 / 32      30-34 / 28-40  42 / 36
-    bf16 (vs F.linear: no native bf16, so nothing to pack)
-                           13 / 24      20 / 46      37 / 91
-so the C kernel takes up to `c_kernel_max_rows(dtype)` rows, oneDNN the rest.
-The packed copy costs one more copy of the weight in memory, so packing is opt-in
-(`pack_for_cpu`). bf16 packing needs native bf16 (AVX-512-BF16 or AMX,
-cluster/cpu_features.py): without it oneDNN refuses to pack (AVX2) or only emulates
-bf16, and F.linear is the path.
+so the C kernel takes up to C_KERNEL_MAX_ROWS rows, oneDNN the rest; bf16 without native
+bf16 takes the C kernel at any row count (oneDNN cannot pack bf16 there, and F.linear
+emulates it 3x slower). Each packed copy costs one more copy of the weight in memory.
+bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py):
+without it oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path.
 """
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -42,16 +42,14 @@ from cluster.cpu_features import detect
 from kernels import cpu
 
 PACKED_MAX_ROWS = 256
+C_KERNEL_MAX_ROWS = 16
 
 
 def c_kernel_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the C kernel beats the other paths on this CPU (the tables above)."""
-    cpu_features = detect()
-    if dtype == torch.bfloat16:
-        return 4 if cpu_features.native_bf16 else 16
-    if dtype == torch.float32:
-        return 2 if cpu_features.avx512 else 4
-    return 0
+    """Rows up to which the C kernel beats the other paths on this CPU (the table above)."""
+    if dtype == torch.bfloat16 and not detect().native_bf16:
+        return sys.maxsize
+    return C_KERNEL_MAX_ROWS if dtype in (torch.float32, torch.bfloat16) else 0
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -67,16 +65,22 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    packed_weight: torch.Tensor | None = None
+    packed_weight: torch.Tensor | None = None  # oneDNN's
+    kernel_weight: cpu.PackedWeight | None = None  # the C kernel's
 
     def pack_for_cpu(self) -> None:
+        if cpu.usable(self.weight):
+            self.kernel_weight = cpu.pack_linear_weight(self.weight.detach())
         if can_pack(self.weight):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKED_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if x.shape[0] <= c_kernel_max_rows(x.dtype) and x.dtype == self.weight.dtype and cpu.usable(x, self.weight):
-            return cpu.linear(x, self.weight, self.bias)
+        if (self.kernel_weight is not None and x.shape[0] <= c_kernel_max_rows(x.dtype)
+                and x.dtype == self.weight.dtype and cpu.usable(x)):
+            if not self.kernel_weight.fits_library():  # the kernels were rebuilt for another ISA
+                self.kernel_weight = cpu.pack_linear_weight(self.weight.detach())
+            return cpu.linear(x, self.kernel_weight, self.bias)
         if self.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -109,122 +109,162 @@ static inline float hsum(vecf v) {
     return v2[0] + v2[1];
 }
 
-/* Rows [o0, o1) of w for NB (1..4) input rows: each weight row is read once and used NB
-   times. `always_inline` + constant NB lets the compiler keep the accumulators in registers. */
-static inline __attribute__((always_inline)) void linear_block(const float *x, const void *w, const int wdtype, float *y,
-                                                               int64_t K, int64_t O, int64_t o0, int64_t o1, const int NB) {
-    const int64_t KV = K & ~(int64_t)(VLEN - 1);
-    for (int64_t o = o0; o < o1; o++) {
-        const void *row = at(w, o * K, wdtype);
-        vecf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t k = 0; k < KV; k += VLEN) {
-            vecf wv = load_vec(at(row, k, wdtype), wdtype);
-            a0 += wv * load_vec(x + k, F32);
-            if (NB > 1) a1 += wv * load_vec(x + K + k, F32);
-            if (NB > 2) a2 += wv * load_vec(x + 2 * K + k, F32);
-            if (NB > 3) a3 += wv * load_vec(x + 3 * K + k, F32);
-        }
-        float s[4] = {hsum(a0), NB > 1 ? hsum(a1) : 0.f, NB > 2 ? hsum(a2) : 0.f, NB > 3 ? hsum(a3) : 0.f};
-        for (int64_t k = KV; k < K; k++) {
-            float wk = wdtype == BF16 ? bf16_to_f32(((const bf16_t *)row)[k]) : ((const float *)row)[k];
-            for (int b = 0; b < NB; b++) s[b] += wk * x[b * K + k];
-        }
-        for (int b = 0; b < NB; b++) y[b * O + o] = s[b];
-    }
-}
-
+/* The weight is packed once, at model load, into blocks of output columns, so that one
+   SIMD load holds the same k for a block of outputs and each input row's x[k] is
+   broadcast against it: every row of a small batch (a decode step) reuses each loaded
+   weight vector from a register, with no horizontal sums at all.
+     AVX512-BF16, bf16:  [O/16][K/2][16][2]   (vdpbf16ps multiplies k pairs)
+     otherwise:          [O/VLEN][K][VLEN]     (weight dtype; fp32 FMAs)
+   O is padded with zero columns to whole blocks, K to even (bf16 pairs). */
 #if defined(__AVX512BF16__)
-/* The same for bf16 x and w with the AVX512-BF16 dot-product instruction: 32 weights per
-   instruction, no conversion (products are exact in fp32; pairs are summed first). (Two
-   weight rows per pass, to share x's loads, measured slower here: 1.3-1.6x at 1-8 rows.) */
-static inline __attribute__((always_inline)) void linear_block_dpbf16(const bf16_t *x, const bf16_t *w, float *y,
-                                                                      int64_t K, int64_t O, int64_t o0, int64_t o1,
-                                                                      const int NB) {
-    const int64_t K32 = K & ~(int64_t)31;
-    for (int64_t o = o0; o < o1; o++) {
-        const bf16_t *row = w + o * K;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = 0; k < K32; k += 32) {
-            __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k);
-            a0 = _mm512_dpbf16_ps(a0, wv, (__m512bh)_mm512_loadu_si512(x + k));
-            if (NB > 1) a1 = _mm512_dpbf16_ps(a1, wv, (__m512bh)_mm512_loadu_si512(x + K + k));
-            if (NB > 2) a2 = _mm512_dpbf16_ps(a2, wv, (__m512bh)_mm512_loadu_si512(x + 2 * K + k));
-            if (NB > 3) a3 = _mm512_dpbf16_ps(a3, wv, (__m512bh)_mm512_loadu_si512(x + 3 * K + k));
-        }
-        float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                      _mm512_reduce_add_ps(a3)};
-        for (int b = 0; b < NB; b++) {
-            for (int64_t k = K32; k < K; k++) s[b] += bf16_to_f32(row[k]) * bf16_to_f32(x[b * K + k]);
-            y[b * O + o] = s[b];
-        }
-    }
-}
-#endif
-
-/* Rows of w are taken in tiles small enough to stay in L1 while every group of 4 input rows
-   passes over them: the weights come from memory once, whatever B is. */
-#define LINEAR_TILE_ROWS 16
-
-/* x: [B, K] (dtype), w: [O, K] (dtype), bias: [O] or NULL, y: [B, O] (dtype). */
-void pd_linear(const void *x, const void *w, const void *bias, void *y, int64_t B, int64_t K, int64_t O, int dtype,
-               int nthreads) {
-    float *yf = aligned_alloc(64, ((B * O * sizeof(float) + 63) / 64) * 64);
-#if defined(__AVX512BF16__)
-    const int dpbf16 = dtype == BF16;
+#define PAIRS(dtype) ((dtype) == BF16)
 #else
-    const int dpbf16 = 0;
+#define PAIRS(dtype) 0
 #endif
-    float *xf = NULL;
-    if (!dpbf16) {
-        xf = aligned_alloc(64, ((B * K * sizeof(float) + 63) / 64) * 64);
-        load_row(xf, x, B * K, dtype);
-    }
-#pragma omp parallel num_threads(nthreads)
-    {
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int64_t o0 = O * t / n, o1 = O * (t + 1) / n;
-        for (int64_t tile = o0; tile < o1; tile += LINEAR_TILE_ROWS) {
-            int64_t tile_end = tile + LINEAR_TILE_ROWS < o1 ? tile + LINEAR_TILE_ROWS : o1;
-            for (int64_t b = 0; b < B; b += 4) {
-                const int nb = B - b < 4 ? (int)(B - b) : 4;
-                float *yb = yf + b * O;
+#define PACK_BLOCK(dtype) (PAIRS(dtype) ? 16 : VLEN)
+/* Input rows per register block: M accumulators x 2 output blocks must fit the registers. */
+#define PACK_ROWS (VLEN >= 16 ? 8 : 4)
+
+static int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+/* Elements the packed weight takes, and the layout's block width (checked by kernels/cpu.py:
+   a library built for another ISA packs differently). */
+int64_t pd_packed_linear_numel(int64_t K, int64_t O, int dtype) {
+    return round_up(O, PACK_BLOCK(dtype)) * (PAIRS(dtype) ? round_up(K, 2) : K);
+}
+int pd_packed_linear_layout(int dtype) { return PAIRS(dtype) ? 1016 : VLEN; }
+
+/* w: [O, K] (dtype) -> wp (the layout above). */
+void pd_pack_linear_weight(const void *w, void *wp, int64_t K, int64_t O, int dtype) {
+    const int64_t n = PACK_BLOCK(dtype), pair = PAIRS(dtype) ? 2 : 1, KP = round_up(K, pair);
+    const int64_t size = dtype == BF16 ? 2 : 4;
+    memset(wp, 0, pd_packed_linear_numel(K, O, dtype) * size);
+    for (int64_t o = 0; o < O; o++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t dst = ((o / n * KP + k / pair * pair) * n + o % n * pair + k % pair);
+            memcpy((char *)wp + dst * size, (const char *)w + (o * K + k) * size, size);
+        }
+}
+
+/* y[m, j * n .. (j + 1) * n) for M rows and NO consecutive output blocks starting at wp. */
 #if defined(__AVX512BF16__)
-                if (dpbf16) {
-                    const bf16_t *xb = (const bf16_t *)x + b * K;
-                    switch (nb) {
-                    case 1: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 1); break;
-                    case 2: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 2); break;
-                    case 3: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 3); break;
-                    default: linear_block_dpbf16(xb, w, yb, K, O, tile, tile_end, 4); break;
-                    }
+static inline __attribute__((always_inline)) void packed_block_pairs(const bf16_t *x, int64_t x_stride, const bf16_t *wp,
+                                                                     int64_t KP, float *y, int64_t y_stride, const int M,
+                                                                     const int NO) {
+    __m512 acc[PACK_ROWS][2];
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NO; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < KP; kp++) {
+        __m512bh wv[2];
+        for (int j = 0; j < NO; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wp + (j * KP + kp) * 32);
+        for (int m = 0; m < M; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * x_stride + 2 * kp, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < NO; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NO; j++) _mm512_storeu_ps(y + m * y_stride + j * 16, acc[m][j]);
+}
+#endif
+
+static inline __attribute__((always_inline)) void packed_block(const float *x, int64_t K, const void *wp, const int wdtype,
+                                                               float *y, int64_t y_stride, const int M, const int NO) {
+    vecf acc[PACK_ROWS][2];
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NO; j++) acc[m][j] = (vecf){0};
+    for (int64_t k = 0; k < K; k++) {
+        vecf wv[2];
+        for (int j = 0; j < NO; j++) wv[j] = load_vec(at(wp, (j * K + k) * VLEN, wdtype), wdtype);
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < NO; j++) acc[m][j] += x[m * K + k] * wv[j];
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NO; j++) memcpy(y + m * y_stride + j * VLEN, &acc[m][j], sizeof(vecf));
+}
+
+#define PACK_CASES(CALL)                                                                                       \
+    switch (mm) {                                                                                              \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    case 4: CALL(4); break;                                                                                    \
+    PACK_CASES_WIDE(CALL)                                                                                      \
+    }
+#if VLEN >= 16
+#define PACK_CASES_WIDE(CALL)                                                                                  \
+    case 5: CALL(5); break;                                                                                    \
+    case 6: CALL(6); break;                                                                                    \
+    case 7: CALL(7); break;                                                                                    \
+    case 8: CALL(8); break;
+#else
+#define PACK_CASES_WIDE(CALL)
+#endif
+
+/* x: [B, K] (dtype), wp: pd_pack_linear_weight's, bias: [O] or NULL, y: [B, O] (dtype).
+   Threads split the output blocks; each pair of blocks (at most 2 x 16 x K weights, L2-sized)
+   serves every group of PACK_ROWS input rows before the next pair is read, so the weights
+   come from memory once whatever B is. */
+void pd_linear(const void *x, const void *wp, const void *bias, void *y, int64_t B, int64_t K, int64_t O, int dtype,
+               int nthreads) {
+    const int64_t n = PACK_BLOCK(dtype), blocks = round_up(O, n) / n, OP = blocks * n;
+    float *yf = aligned_alloc(64, round_up(B * OP * sizeof(float), 64));
+    const int pairs = PAIRS(dtype);
+    const int64_t KP = round_up(K, 2) / 2;
+    void *xc = NULL; /* x as the kernel reads it: bf16 with K even (pairs), else fp32 */
+    if (pairs) {
+        xc = aligned_alloc(64, round_up(B * KP * 2 * 2, 64));
+        for (int64_t b = 0; b < B; b++) {
+            memcpy((bf16_t *)xc + b * KP * 2, at(x, b * K, dtype), K * 2);
+            if (K % 2) ((bf16_t *)xc)[b * KP * 2 + K] = 0;
+        }
+    } else {
+        xc = aligned_alloc(64, round_up(B * K * sizeof(float), 64));
+        load_row(xc, x, B * K, dtype);
+    }
+#pragma omp parallel num_threads(nthreads < blocks ? nthreads : (int)blocks)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        for (int64_t ob = b0; ob < b1; ob += 2) {
+            const int no = b1 - ob >= 2 ? 2 : 1;
+            for (int64_t m0 = 0; m0 < B; m0 += PACK_ROWS) {
+                const int mm = B - m0 < PACK_ROWS ? (int)(B - m0) : PACK_ROWS;
+                float *yb = yf + m0 * OP + ob * n;
+#if defined(__AVX512BF16__)
+                if (pairs) {
+                    const bf16_t *xb = (const bf16_t *)xc + m0 * KP * 2, *wb = (const bf16_t *)wp + ob * KP * 32;
+#define CALL_PAIRS(M) (no == 2 ? packed_block_pairs(xb, KP * 2, wb, KP, yb, OP, M, 2) \
+                               : packed_block_pairs(xb, KP * 2, wb, KP, yb, OP, M, 1))
+                    PACK_CASES(CALL_PAIRS)
+#undef CALL_PAIRS
                     continue;
                 }
 #endif
-                const float *xb = xf + b * K;
-                /* constant dtype and row count in each call: no branch is left in the loop */
-#define LINEAR_BLOCK(DT)                                                       \
-    switch (nb) {                                                              \
-    case 1: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 1); break;       \
-    case 2: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 2); break;       \
-    case 3: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 3); break;       \
-    default: linear_block(xb, w, DT, yb, K, O, tile, tile_end, 4); break;      \
-    }
+                const float *xb = (const float *)xc + m0 * K;
+                const void *wb = at(wp, ob * K * VLEN, dtype);
+                /* constant dtype, rows and blocks in each call: no branch is left in the loop */
+#define CALL_F32(M) (no == 2 ? packed_block(xb, K, wb, F32, yb, OP, M, 2) : packed_block(xb, K, wb, F32, yb, OP, M, 1))
+#define CALL_BF16(M) (no == 2 ? packed_block(xb, K, wb, BF16, yb, OP, M, 2) : packed_block(xb, K, wb, BF16, yb, OP, M, 1))
                 if (dtype == BF16) {
-                    LINEAR_BLOCK(BF16)
+                    PACK_CASES(CALL_BF16)
                 } else {
-                    LINEAR_BLOCK(F32)
+                    PACK_CASES(CALL_F32)
                 }
-#undef LINEAR_BLOCK
+#undef CALL_F32
+#undef CALL_BF16
             }
         }
     }
-    if (bias) {
-        for (int64_t b = 0; b < B; b++)
+    for (int64_t b = 0; b < B; b++) {
+        float *row = yf + b * OP;
+        if (bias)
             for (int64_t o = 0; o < O; o++)
-                yf[b * O + o] += dtype == BF16 ? bf16_to_f32(((const bf16_t *)bias)[o]) : ((const float *)bias)[o];
+                row[o] += dtype == BF16 ? bf16_to_f32(((const bf16_t *)bias)[o]) : ((const float *)bias)[o];
+        store_row(at(y, b * O, dtype), row, O, dtype);
     }
-    store_row(y, yf, B * O, dtype);
-    free(xf);
+    free(xc);
     free(yf);
 }
 

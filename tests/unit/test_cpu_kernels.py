@@ -53,14 +53,15 @@ def test_the_build_follows_the_isa_cap(isa):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
-@pytest.mark.parametrize("in_features, out_features", [(64, 96), (100, 7)])  # 100: not a multiple of 16
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 20])  # 9, 20: more rows than one register block
+# 7 and 40 outputs: part of a block; 33 inputs: odd (bf16 pairs pad it)
+@pytest.mark.parametrize("in_features, out_features", [(64, 96), (100, 7), (33, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(dtype, rows, in_features, out_features, bias):
     x = torch.randn(rows, in_features).to(dtype)
     w = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
     b = torch.randn(out_features).to(dtype) if bias else None
-    out = cpu.linear(x, w, b)
+    out = cpu.linear(x, cpu.pack_linear_weight(w), b)
     assert out.shape == (rows, out_features) and out.dtype == dtype
     exact = F.linear(x.double(), w.double(), b.double() if bias else None)
     torch.testing.assert_close(out.double(), exact, **_tol(dtype))
@@ -69,7 +70,27 @@ def test_linear_matches_f_linear(dtype, rows, in_features, out_features, bias):
 def test_linear_takes_a_strided_input():
     x = torch.randn(2, 128)[:, ::2]  # [2, 64], rows 128 apart, not contiguous
     w = torch.randn(32, 64)
-    torch.testing.assert_close(cpu.linear(x, w, None), F.linear(x, w))
+    torch.testing.assert_close(cpu.linear(x, cpu.pack_linear_weight(w), None), F.linear(x, w))
+
+
+def test_a_weight_packed_by_another_build_is_told_apart(isa):
+    """Each build packs for its own ISA (AVX512-BF16 pairs, or its vector width), and
+    `Linear` repacks when the library it runs on changed."""
+    from cluster.model.linear import Linear  # noqa: PLC0415
+
+    layer = Linear(64, 48, bias=False).to(torch.bfloat16)
+    layer.pack_for_cpu()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    expected = F.linear(x.double(), layer.weight.double())
+    other = [] if isa == "AVX2" else AVX2_FLAGS
+    cpu.configure(other)
+    try:
+        # The AVX2 build packs as the native one only on a CPU without AVX-512.
+        assert layer.kernel_weight.fits_library() == (" avx512f " not in open("/proc/cpuinfo").read())
+        torch.testing.assert_close(layer(x).double(), expected, **_tol(torch.bfloat16))
+        assert layer.kernel_weight.fits_library()
+    finally:
+        cpu.configure(AVX2_FLAGS if isa == "AVX2" else [])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
