@@ -419,11 +419,23 @@ static void attend(float *acc, const float *qf, float *scores, float *blk, const
         load_block(blk, v_cache, kv_dtype, (int64_t)table[b] * block_size, n, row, h0, D, piece);
         for (int64_t h = 0; h < h1 - h0; h++) {
             for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
-                const float *w = scores + hq * L + p0;
+                const float *w = scores + hq * L + p0, *vh = blk + h * D;
                 float *ah = acc + hq * D;
-                for (int64_t d = 0; d < DV; d += VLEN) {
+                int64_t d = 0;
+                for (; d + 4 * VLEN <= D; d += 4 * VLEN) { /* four independent chains: FMA latency hidden */
+                    vecf a0 = load_vec(ah + d, F32), a1 = load_vec(ah + d + VLEN, F32);
+                    vecf a2 = load_vec(ah + d + 2 * VLEN, F32), a3 = load_vec(ah + d + 3 * VLEN, F32);
+                    for (int64_t j = 0; j < n; j++) {
+                        const float *v = vh + j * piece + d;
+                        a0 += w[j] * load_vec(v, F32), a1 += w[j] * load_vec(v + VLEN, F32);
+                        a2 += w[j] * load_vec(v + 2 * VLEN, F32), a3 += w[j] * load_vec(v + 3 * VLEN, F32);
+                    }
+                    memcpy(ah + d, &a0, sizeof a0), memcpy(ah + d + VLEN, &a1, sizeof a1);
+                    memcpy(ah + d + 2 * VLEN, &a2, sizeof a2), memcpy(ah + d + 3 * VLEN, &a3, sizeof a3);
+                }
+                for (; d < DV; d += VLEN) {
                     vecf a = load_vec(ah + d, F32);
-                    for (int64_t j = 0; j < n; j++) a += w[j] * load_vec(blk + j * piece + h * D + d, F32);
+                    for (int64_t j = 0; j < n; j++) a += w[j] * load_vec(vh + j * piece + d, F32);
                     memcpy(ah + d, &a, sizeof a);
                 }
                 for (int64_t d = DV; d < D; d++)
