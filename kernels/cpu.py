@@ -63,7 +63,7 @@ def configure(isa_flags: list[str] | tuple[str, ...]) -> None:
     global _isa_flags
     if tuple(isa_flags) != _isa_flags:
         _isa_flags = tuple(isa_flags)
-        _load.cache_clear()
+        reload()
 
 
 def compile_flags() -> list[str]:
@@ -142,6 +142,7 @@ def library() -> ctypes.CDLL | None:
 def reload() -> None:
     """Load the library again at the next op (after PDSERVE_CPU_KERNELS changed)."""
     _load.cache_clear()
+    packed_layout.cache_clear()
 
 
 def available() -> bool:
@@ -179,7 +180,13 @@ class PackedWeight:
     in_features: int
 
     def fits_library(self) -> bool:
-        return library().pd_packed_linear_layout(DTYPE_CODES[self.data.dtype]) == self.layout
+        return packed_layout(self.data.dtype) == self.layout
+
+
+@functools.cache
+def packed_layout(dtype: torch.dtype) -> int:
+    """The loaded library's packed-weight layout for `dtype` (asked once per load, not per call)."""
+    return library().pd_packed_linear_layout(DTYPE_CODES[dtype])
 
 
 def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
@@ -187,7 +194,7 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
     weight, code, lib = weight.contiguous(), DTYPE_CODES[weight.dtype], library()
     data = torch.empty(lib.pd_packed_linear_numel(in_features, out_features, code), dtype=weight.dtype)
     lib.pd_pack_linear_weight(weight.data_ptr(), data.data_ptr(), in_features, out_features, code)
-    return PackedWeight(data, lib.pd_packed_linear_layout(code), out_features, in_features)
+    return PackedWeight(data, packed_layout(weight.dtype), out_features, in_features)
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
