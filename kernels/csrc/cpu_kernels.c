@@ -392,6 +392,15 @@ static inline void prefetch_part(const char *block, int64_t bytes, int64_t i, in
         for (int64_t off = i * bytes / parts & ~(int64_t)63; off < (i + 1) * bytes / parts; off += 64) __builtin_prefetch(block + off);
 }
 
+/* Block b of a sequence into blk; returns its positions, and sets *next to the block after it. */
+static int64_t take_block(float *blk, const void *cache, int dtype, const int32_t *table, int64_t b, int64_t L,
+                          int64_t block_size, int64_t row, int64_t h0, int64_t D, int64_t piece, const char **next) {
+    const int64_t p0 = b * block_size, n = L - p0 < block_size ? L - p0 : block_size;
+    load_block(blk, cache, dtype, (int64_t)table[b] * block_size, n, row, h0, D, piece);
+    *next = block_after(cache, dtype, table, b, L, block_size, row);
+    return n;
+}
+
 /* Attention of one sequence's query heads [h0 * G, h1 * G) (KV heads [h0, h1)) over its L
    cached positions: qf [nq, D] pre-scaled fp32, acc [nq, D] out, scores [nq, L], blk
    [block_size, row] scratch. Exact softmax in fp32: all scores first, then the weights.
@@ -403,9 +412,8 @@ static void attend(float *acc, const float *qf, float *scores, float *blk, const
     const int64_t nq = (h1 - h0) * G, piece = (h1 - h0) * D, DV = D & ~(int64_t)(VLEN - 1);
     const int64_t block_bytes = block_size * row * (kv_dtype == BF16 ? 2 : 4);
     for (int64_t b = 0, p0 = 0; p0 < L; b++, p0 += block_size) {
-        const int64_t n = L - p0 < block_size ? L - p0 : block_size;
-        load_block(blk, k_cache, kv_dtype, (int64_t)table[b] * block_size, n, row, h0, D, piece);
-        const char *next = block_after(k_cache, kv_dtype, table, b, L, block_size, row);
+        const char *next;
+        const int64_t n = take_block(blk, k_cache, kv_dtype, table, b, L, block_size, row, h0, D, piece, &next);
         for (int64_t h = 0; h < h1 - h0; h++) {
             for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
                 const float *qh = qf + hq * D;
@@ -432,9 +440,8 @@ static void attend(float *acc, const float *qf, float *scores, float *blk, const
     }
     memset(acc, 0, nq * D * sizeof(float));
     for (int64_t b = 0, p0 = 0; p0 < L; b++, p0 += block_size) {
-        const int64_t n = L - p0 < block_size ? L - p0 : block_size;
-        load_block(blk, v_cache, kv_dtype, (int64_t)table[b] * block_size, n, row, h0, D, piece);
-        const char *next = block_after(v_cache, kv_dtype, table, b, L, block_size, row);
+        const char *next;
+        const int64_t n = take_block(blk, v_cache, kv_dtype, table, b, L, block_size, row, h0, D, piece, &next);
         for (int64_t h = 0; h < h1 - h0; h++) {
             for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
                 prefetch_part(next, block_bytes, hq, nq);
