@@ -158,11 +158,14 @@ def describe() -> str:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """The kernels can take these tensors: on CPU, float32/bfloat16, last dim contiguous."""
-    return (
-        all(t.device.type == "cpu" and t.dtype in DTYPE_CODES and t.stride(-1) == 1 for t in tensors)
-        and library() is not None
-    )
+    """The kernels can take these tensors: on CPU, float32/bfloat16, last dim contiguous.
+    (Asked several times per layer and step: a plain loop over the cheapest checks.)"""
+    if library() is None:
+        return False
+    for t in tensors:
+        if not (t.is_cpu and t.dtype in DTYPE_CODES and (t.is_contiguous() or t.stride(-1) == 1)):
+            return False
+    return True
 
 
 def _threads() -> int:

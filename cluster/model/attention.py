@@ -109,15 +109,20 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-        out = torch.empty_like(q)  # [T, Hq, D]
         D = meta.num_decode_tokens
+        decoded = None
         if D:
             q_decode = q[:D]
             if attention_in_fp32(q) and not cpu_kernels.usable(q):  # the C kernel computes in fp32 itself
                 q_decode = q_decode.float()  # (the reference casts K/V to q's dtype)
-            out[:D] = paged_attention_decode(
+            decoded = paged_attention_decode(
                 q_decode, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, meta.decode_gather
             )
+        if D and D == T and decoded.dtype == q.dtype:  # a decode-only step: nothing to assemble
+            return self.group.all_reduce_(self.o_proj(decoded.view(T, self.q_size)))
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if D:
+            out[:D] = decoded
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seq)
