@@ -102,6 +102,8 @@ def load_model(
     from the checkpoint alone: other ranks' slices are never loaded)."""
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = open_checkpoint(checkpoint)
+    if device == "cpu":  # before fuse(): Linear packs its weight for the kernels of this build
+        cpu_kernels.configure(compiler_isa_flags(detect()))
     config = checkpoint.config()
     arch = parse_arch(config)
     torch_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
@@ -117,8 +119,7 @@ def load_model(
     _load_weights(model, checkpoint, arch)
     model.fuse()
     model.eval().requires_grad_(False)
-    if device == "cpu":  # built (or found cached) now, not on the first request
-        cpu_kernels.configure(compiler_isa_flags(detect()))
+    if device == "cpu":  # built (or found cached) by now, not on the first request
         log.info("CPU ops: %s", cpu_kernels.describe())
     return LoadedModel(model, arch, torch_dtype, max_len, checkpoint.eos_token_ids())
 

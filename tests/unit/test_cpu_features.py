@@ -120,6 +120,21 @@ def test_the_c_kernel_takes_every_bf16_row_count_where_bf16_is_not_native(cpu):
     assert rows(torch.bfloat16) > 100_000
 
 
+def test_weights_are_packed_for_the_kernels_the_capabilities_allow(cpu, tiny_llama):
+    """A CPU with AVX-512 forced off loads its model with the AVX2 build of the C kernels,
+    and packs each weight for that build (not for the native one, then again)."""
+    from kernels import cpu as cpu_kernels  # noqa: PLC0415
+
+    cpu(ZEN4, disabled="avx512")
+    try:
+        model = loader.load_model(tiny_llama, dtype="float32").model
+        assert cpu_kernels.describe().endswith("(capped: -mno-avx512f)")
+        packed = [m.kernel_weight for m in model.modules() if isinstance(m, linear.Linear)]
+        assert packed and all(w.fits_library() for w in packed)
+    finally:
+        cpu_kernels.configure([])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_packed_path_computes_what_f_linear_does(rows, dtype):
