@@ -127,8 +127,9 @@ static inline float hsum(vecf v) {
 
 static int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
-/* Elements the packed weight takes, and the layout's block width (checked by kernels/cpu.py:
-   a library built for another ISA packs differently). */
+/* Elements the packed weight takes, and the layout's name: its block width, plus 1000 when
+   k comes in pairs (kernels/cpu.py checks it: a library built for another ISA packs
+   differently). */
 int64_t pd_packed_linear_numel(int64_t K, int64_t O, int dtype) {
     return round_up(O, PACK_BLOCK(dtype)) * (PAIRS(dtype) ? round_up(K, 2) : K);
 }
