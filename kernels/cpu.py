@@ -48,13 +48,17 @@ _SIGNATURES = {  # name: (argument types, result type)
     "pd_packed_linear_numel": ([_i64, _i64, _i32], _i64),
     "pd_packed_linear_layout": ([_i32], _i32),
     "pd_pack_linear_weight": ([_p, _p, _i64, _i64, _i32], None),
-    "pd_linear": ([_p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
+    "pd_linear": ([_p, _i32, _p, _f32, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "pd_rms_norm": ([_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32], None),
     "pd_rotary": ([_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i32], None),
     "pd_store_kv": ([_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i32, _i32], None),
     "pd_paged_attention_decode": (
         [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32], None),
+    "pd_rotary_store_attend": (
+        [_p, _p, _i64, _p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64,
+         _f32, _i32], None),
 }
+LINEAR_PLAIN, LINEAR_RMS_NORM, LINEAR_SILU_MUL = 0, 1, 2  # pd_linear's prologues
 
 
 def configure(isa_flags: list[str] | tuple[str, ...]) -> None:
@@ -200,14 +204,32 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, packed_layout(weight.dtype), out_features, in_features)
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    # x: [B, K] -> [B, O]; the weight and bias in x's dtype
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, *, norm: tuple[torch.Tensor, float] | None = None,
+           silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = prologue(x) @ w.T + bias (+ residual), the ops around the matmul fused into its
+    reads and writes (see pd_linear):
+      norm=(weight, eps): x is [B, K], rms_norm(x, weight, eps) is what gets multiplied;
+      silu_mul: x is [B, 2K], silu(x[:, :K]) * x[:, K:] is;
+      residual: [B, O], added to the linear's output, rounded as `residual + linear(...)`.
+    Everything in x's dtype; x: [B, K] -> y: [B, O]."""
     x = x.contiguous()
     bias = bias.to(x.dtype).contiguous() if bias is not None else None
+    prologue, norm_weight, eps = LINEAR_PLAIN, None, 0.0
+    if norm is not None:
+        prologue, (norm_weight, eps) = LINEAR_RMS_NORM, norm
+        norm_weight = norm_weight.to(x.dtype).contiguous()
+    elif silu_mul:
+        prologue = LINEAR_SILU_MUL
+    if residual is not None:
+        residual = residual.to(x.dtype).contiguous()
     y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
-    library().pd_linear(x.data_ptr(), weight.data.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                        x.shape[0], weight.in_features, weight.out_features, DTYPE_CODES[x.dtype], _threads())
+    library().pd_linear(x.data_ptr(), prologue, _ptr(norm_weight), eps, weight.data.data_ptr(), _ptr(bias), _ptr(residual),
+                        y.data_ptr(), x.shape[0], weight.in_features, weight.out_features, DTYPE_CODES[x.dtype], _threads())
     return y
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -256,5 +278,26 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
         out.data_ptr(), q.data_ptr(), q.stride(0), DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
         DTYPE_CODES[k_cache.dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_q_heads,
         num_kv_heads, head_dim, block_size, scale, _threads(),
+    )
+    return out
+
+
+def rotary_store_attend(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens,
+                        scale: float) -> torch.Tensor:
+    """A decode step's attention from its projections in one call: `rotary`, `store_kv` and
+    `paged_attention_decode` in turn, the same numbers. q: [B, Hq, D]; k, v: [B, Hk, D] (each
+    may be a view into one qkv row); the caches are written in place; -> [B, Hq, D]."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    q, k, v = (t if t.stride(1) == head_dim else t.contiguous() for t in (q, k, v))
+    positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    library().pd_rotary_store_attend(
+        out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), DTYPE_CODES[q.dtype],
+        positions.data_ptr(), cos_sin_cache.contiguous().data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        DTYPE_CODES[k_cache.dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_q_heads, num_kv_heads,
+        head_dim, block_size, scale, _threads(),
     )
     return out

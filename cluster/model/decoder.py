@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cluster.model import cpu_decode
 from cluster.model.attention import Attention, AttentionMetadata
 from cluster.model.embedding import VocabEmbedding
 from cluster.model.families import ModelArch
@@ -92,8 +93,12 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, kv_cache, meta)
+        if cpu_decode.applies(self, h, meta, kv_caches[0]):  # a CPU decode step: each layer in five C calls
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                h = cpu_decode.decode_layer(layer, h, positions, kv_cache, meta)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                h = layer(h, positions, kv_cache, meta)
         return self.model.norm(h)
 
     @torch.inference_mode()

@@ -74,13 +74,20 @@ class Linear(nn.Linear):
         if can_pack(self.weight):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKED_MAX_ROWS)
 
+    def takes_c_kernel(self, x: torch.Tensor) -> bool:
+        return (self.kernel_weight is not None and x.shape[0] <= c_kernel_max_rows(x.dtype)
+                and x.dtype == self.weight.dtype and cpu.usable(x))
+
+    def c_kernel_weight(self) -> cpu.PackedWeight:
+        """The C kernel's weight, packed again if the kernels were rebuilt for another ISA."""
+        if not self.kernel_weight.fits_library():
+            self.kernel_weight = cpu.pack_linear_weight(self.weight.detach())
+        return self.kernel_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if (self.kernel_weight is not None and x.shape[0] <= c_kernel_max_rows(x.dtype)
-                and x.dtype == self.weight.dtype and cpu.usable(x)):
-            if not self.kernel_weight.fits_library():  # the kernels were rebuilt for another ISA
-                self.kernel_weight = cpu.pack_linear_weight(self.weight.detach())
-            return cpu.linear(x, self.kernel_weight, self.bias)
+        if self.takes_c_kernel(x):
+            return cpu.linear(x, self.c_kernel_weight(), self.bias)
         if self.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

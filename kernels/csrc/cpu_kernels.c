@@ -76,6 +76,34 @@ static inline void *at(const void *base, int64_t index, int dtype) {
     return (char *)base + index * (dtype == BF16 ? 2 : 4);
 }
 
+/* exp(x) for x <= 0, in a form the compiler vectorizes (libm's expf is scalar): Cody-Waite
+   range reduction x = k ln2 + r, then Cephes' degree-6 polynomial; within 2 ulp of expf. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* exp(-87) ~ 1.6e-38: the smallest normal scale below */
+    float k = __builtin_rintf(x * 1.44269504f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return (r * r * p + r + 1.0f) * scale;
+}
+
+/* RMSNorm of one row in place, Hugging Face numerics: normalise in fp32, round to x's dtype,
+   then scale (the product is left for the caller to round to its output dtype). */
+static void normalize_row(float *row, const float *wf, int64_t H, float eps, int dtype) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < H; j++) ss += row[j] * row[j];
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    for (int64_t j = 0; j < H; j++) row[j] = wf[j] * round_to(row[j] * inv, dtype);
+}
+
 /* ---- linear: y[b, :] = x[b, :] @ w.T + bias, for the few rows of a decode step ---- */
 
 static inline vecf load_vec(const void *p, int dtype) {
@@ -203,26 +231,70 @@ static inline __attribute__((always_inline)) void packed_block(const float *x, i
 #define PACK_CASES_WIDE(CALL)
 #endif
 
-/* x: [B, K] (dtype), wp: pd_pack_linear_weight's, bias: [O] or NULL, y: [B, O] (dtype).
+/* sigmoid(x) * x in fp32 for any x: exp only of a non-positive number, so it never overflows. */
+static inline float silu(float x) {
+    const float e = exp_nonpositive(x < 0.f ? x : -x); /* exp(-|x|) */
+    return x * (x < 0.f ? e / (1.f + e) : 1.f / (1.f + e));
+}
+
+/* What a linear may compute on its input rows as it reads them (the op before it, fused):
+     LINEAR_RMS_NORM  x: [B, K]  -> rms_norm(x) * norm_w, as pd_rms_norm computes it;
+     LINEAR_SILU_MUL  x: [B, 2K] -> silu(x[:, :K]) * x[:, K:], each rounded to dtype as torch's
+                                    `F.silu(gate) * up` rounds it. */
+enum { LINEAR_PLAIN = 0, LINEAR_RMS_NORM = 1, LINEAR_SILU_MUL = 2 };
+
+/* Input row b of a linear, its prologue applied, into row (fp32, K values). */
+static void linear_input_row(float *row, float *scratch, const void *x, int64_t b, int64_t K, int dtype, int prologue,
+                             const float *norm_wf, float eps) {
+    if (prologue == LINEAR_SILU_MUL) {
+        load_row(scratch, at(x, b * 2 * K, dtype), 2 * K, dtype);
+        for (int64_t k = 0; k < K; k++) row[k] = round_to(round_to(silu(scratch[k]), dtype) * scratch[K + k], dtype);
+        return;
+    }
+    load_row(row, at(x, b * K, dtype), K, dtype);
+    if (prologue == LINEAR_RMS_NORM) {
+        normalize_row(row, norm_wf, K, eps, dtype);
+        for (int64_t k = 0; k < K; k++) row[k] = round_to(row[k], dtype); /* the norm's output, in dtype */
+    }
+}
+
+/* x: [B, K] (dtype; [B, 2K] for LINEAR_SILU_MUL), wp: pd_pack_linear_weight's, bias: [O] or
+   NULL, residual: [B, O] or NULL, y: [B, O] (dtype); norm_w: [K] (dtype) for LINEAR_RMS_NORM.
+   y = prologue(x) @ w.T + bias, then + residual: the linear's output is rounded to dtype
+   before the residual is added, as torch's `h + linear(x)` rounds it.
    Threads split the output blocks; each pair of blocks (at most 2 x 16 x K weights, L2-sized)
    serves every group of PACK_ROWS input rows before the next pair is read, so the weights
    come from memory once whatever B is. */
-void pd_linear(const void *x, const void *wp, const void *bias, void *y, int64_t B, int64_t K, int64_t O, int dtype,
-               int nthreads) {
+void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const void *wp, const void *bias,
+               const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int nthreads) {
     const int64_t n = PACK_BLOCK(dtype), blocks = round_up(O, n) / n, OP = blocks * n;
     float *yf = aligned_alloc(64, round_up(B * OP * sizeof(float), 64));
     const int pairs = PAIRS(dtype);
     const int64_t KP = round_up(K, 2) / 2;
-    void *xc = NULL; /* x as the kernel reads it: bf16 with K even (pairs), else fp32 */
-    if (pairs) {
-        xc = aligned_alloc(64, round_up(B * KP * 2 * 2, 64));
+    /* x as the kernel reads it: bf16 with K even (pairs), else fp32 */
+    void *xc = aligned_alloc(64, round_up(B * (pairs ? KP * 4 : K * 4), 64));
+    if (prologue == LINEAR_PLAIN && pairs) {
         for (int64_t b = 0; b < B; b++) {
             memcpy((bf16_t *)xc + b * KP * 2, at(x, b * K, dtype), K * 2);
             if (K % 2) ((bf16_t *)xc)[b * KP * 2 + K] = 0;
         }
-    } else {
-        xc = aligned_alloc(64, round_up(B * K * sizeof(float), 64));
+    } else if (prologue == LINEAR_PLAIN) {
         load_row(xc, x, B * K, dtype);
+    } else {
+        float *row = malloc(K * sizeof(float)), *scratch = malloc(2 * K * sizeof(float)), *norm_wf = NULL;
+        if (prologue == LINEAR_RMS_NORM) {
+            norm_wf = malloc(K * sizeof(float));
+            load_row(norm_wf, norm_w, K, dtype);
+        }
+        for (int64_t b = 0; b < B; b++) {
+            float *dst = pairs ? row : (float *)xc + b * K;
+            linear_input_row(dst, scratch, x, b, K, dtype, prologue, norm_wf, eps);
+            if (pairs) {
+                store_row((bf16_t *)xc + b * KP * 2, row, K, BF16); /* exact: row is already rounded */
+                if (K % 2) ((bf16_t *)xc)[b * KP * 2 + K] = 0;
+            }
+        }
+        free(row), free(scratch), free(norm_wf);
     }
 #pragma omp parallel num_threads(nthreads < blocks ? nthreads : (int)blocks)
     {
@@ -263,6 +335,13 @@ void pd_linear(const void *x, const void *wp, const void *bias, void *y, int64_t
         if (bias)
             for (int64_t o = 0; o < O; o++)
                 row[o] += dtype == BF16 ? bf16_to_f32(((const bf16_t *)bias)[o]) : ((const float *)bias)[o];
+        if (residual) {
+            for (int64_t o = 0; o < O; o++) {
+                const float add = dtype == BF16 ? bf16_to_f32(((const bf16_t *)residual)[b * O + o])
+                                                : ((const float *)residual)[b * O + o];
+                row[o] = round_to(row[o], dtype) + add;
+            }
+        }
         store_row(at(y, b * O, dtype), row, O, dtype);
     }
     free(xc);
@@ -285,11 +364,7 @@ void pd_rms_norm(void *out, const void *x, int64_t x_stride, const void *weight,
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < N; i++) {
             load_row(row, at(x, i * x_stride, dtype), H, dtype);
-            float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t j = 0; j < H; j++) ss += row[j] * row[j];
-            float inv = 1.f / sqrtf(ss / (float)H + eps);
-            for (int64_t j = 0; j < H; j++) row[j] = wf[j] * round_to(row[j] * inv, dtype);
+            normalize_row(row, wf, H, eps, dtype);
             store_row(at(out, i * H, out_dtype), row, H, out_dtype);
         }
         free(row), free(wf);
@@ -298,9 +373,26 @@ void pd_rms_norm(void *out, const void *x, int64_t x_stride, const void *weight,
 
 /* ---- rotary embedding (rotate-half layout), Hugging Face numerics ---- */
 
+/* The rounded cos and sin of one position: c, s [D/2] from cos_sin's row (fp32 [P, D]: cos in
+   the first half, sin in the second), as torch rounds the table to x's dtype. */
+static void rotary_coefficients(float *c, float *s, const float *cos_sin, int64_t position, int64_t D, int dtype) {
+    const float *cs = cos_sin + position * D;
+    for (int64_t i = 0; i < D / 2; i++) c[i] = round_to(cs[i], dtype), s[i] = round_to(cs[D / 2 + i], dtype);
+}
+
+/* One head's row rotated: res [D] from row [D]. In bf16 every product and the sum are
+   rounded, as torch's `x * cos + rotate_half(x) * sin` rounds them. */
+static void rotate_row(float *res, const float *row, const float *c, const float *s, int64_t D, int dtype) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = row[i], x2 = row[half + i];
+        res[i] = round_to(round_to(x1 * c[i], dtype) + round_to(-x2 * s[i], dtype), dtype);
+        res[half + i] = round_to(round_to(x2 * c[i], dtype) + round_to(x1 * s[i], dtype), dtype);
+    }
+}
+
 /* x: [T, H, D], token stride x_stride, heads D apart; out: [T, H, D] contiguous; cos_sin:
-   fp32 [P, D] (cos in the first half, sin in the second). In bf16 every product and the
-   sum are rounded, as torch's `x * cos + rotate_half(x) * sin` rounds them. */
+   fp32 [P, D]. */
 void pd_rotary(void *out, const void *x, int64_t x_stride, int64_t T, int64_t H, int64_t D, const int64_t *positions,
                const float *cos_sin, int dtype, int nthreads) {
     const int64_t half = D / 2;
@@ -310,15 +402,10 @@ void pd_rotary(void *out, const void *x, int64_t x_stride, int64_t T, int64_t H,
         float *c = malloc(half * sizeof(float)), *s = malloc(half * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            const float *cs = cos_sin + positions[t] * D;
-            for (int64_t i = 0; i < half; i++) c[i] = round_to(cs[i], dtype), s[i] = round_to(cs[half + i], dtype);
+            rotary_coefficients(c, s, cos_sin, positions[t], D, dtype);
             for (int64_t h = 0; h < H; h++) {
                 load_row(row, at(x, t * x_stride + h * D, dtype), D, dtype);
-                for (int64_t i = 0; i < half; i++) {
-                    float x1 = row[i], x2 = row[half + i];
-                    res[i] = round_to(round_to(x1 * c[i], dtype) + round_to(-x2 * s[i], dtype), dtype);
-                    res[half + i] = round_to(round_to(x2 * c[i], dtype) + round_to(x1 * s[i], dtype), dtype);
-                }
+                rotate_row(res, row, c, s, D, dtype);
                 store_row(at(out, (t * H + h) * D, dtype), res, D, dtype);
             }
         }
@@ -350,24 +437,6 @@ void pd_store_kv(const void *key, int64_t k_stride, const void *value, int64_t v
 }
 
 /* ---- decode attention over the paged KV cache (one query token per sequence) ---- */
-
-/* exp(x) for x <= 0, in a form the compiler vectorizes (libm's expf is scalar): Cody-Waite
-   range reduction x = k ln2 + r, then Cephes' degree-6 polynomial; within 2 ulp of expf. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* exp(-87) ~ 1.6e-38: the smallest normal scale below */
-    float k = __builtin_rintf(x * 1.44269504f);
-    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return (r * r * p + r + 1.0f) * scale;
-}
 
 /* One cache block's rows [n, piece] -> fp32 blk [n, piece]: KV heads [h0, h0 + piece / D). */
 static void load_block(float *blk, const void *cache, int dtype, int64_t first, int64_t n, int64_t row, int64_t h0,
@@ -475,22 +544,22 @@ static void attend(float *acc, const float *qf, float *scores, float *blk, const
 /* q: [B, Hq, D] with token stride q_stride (heads D apart); caches: [num_blocks, block_size,
    Hk, D] contiguous; block_tables: [B, table_stride] int32; context_lens: [B] int32; out:
    [B, Hq, D] contiguous (q's dtype). Query head h reads KV head h / (Hq / Hk); context_len 0
-   gives zeros.
+   gives zeros. With cos_sin (else NULL), q is rotated at positions as it is loaded.
    A work item is one sequence with all its heads, so each cache slot's row (all KV heads,
    contiguous) is read once and in order: the cache is cold in a real step (every layer's
    weights passed through since), and whole rows stream better than per-head pieces. With
    fewer sequences than threads, an item is one KV head's group, so no thread idles. */
-void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q_dtype, const void *k_cache,
-                               const void *v_cache, int kv_dtype, const int32_t *block_tables, int64_t table_stride,
-                               const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                               int64_t block_size, float scale, int nthreads) {
+static void decode_attention(void *out, const void *q, int64_t q_stride, int q_dtype, const int64_t *positions,
+                             const float *cos_sin, const void *k_cache, const void *v_cache, int kv_dtype,
+                             const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, int64_t B,
+                             int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int nthreads) {
     const int64_t G = Hq / Hk, row = Hk * D, split = B < nthreads ? Hk : 1, items = B * split;
 #pragma omp parallel num_threads(items < nthreads ? (int)(items > 0 ? items : 1) : nthreads)
     {
         int64_t cap = 0;
         float *scores = NULL; /* [nq, L] */
         float *qf = malloc(Hq * D * sizeof(float)), *acc = malloc(Hq * D * sizeof(float));
-        float *blk = malloc(block_size * row * sizeof(float));
+        float *blk = malloc(block_size * row * sizeof(float)), *cs = malloc(D * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             const int64_t b = item / split, h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
@@ -502,6 +571,13 @@ void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q
                     scores = malloc(cap * sizeof(float));
                 }
                 load_row(qf, at(q, b * q_stride + h0 * G * D, q_dtype), nq * D, q_dtype);
+                if (cos_sin) {
+                    rotary_coefficients(cs, cs + D / 2, cos_sin, positions[b], D, q_dtype);
+                    for (int64_t h = 0; h < nq; h++) {
+                        rotate_row(acc, qf + h * D, cs, cs + D / 2, D, q_dtype);
+                        memcpy(qf + h * D, acc, D * sizeof(float));
+                    }
+                }
                 for (int64_t i = 0; i < nq * D; i++) qf[i] *= scale;
                 attend(acc, qf, scores, blk, k_cache, v_cache, kv_dtype, block_tables + b * table_stride, L, block_size,
                        row, h0, h1, G, D);
@@ -510,6 +586,41 @@ void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q
             }
             store_row(at(out, (b * Hq + h0 * G) * D, q_dtype), acc, nq * D, q_dtype);
         }
-        free(scores), free(qf), free(acc), free(blk);
+        free(scores), free(qf), free(acc), free(blk), free(cs);
     }
+}
+
+void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q_dtype, const void *k_cache,
+                               const void *v_cache, int kv_dtype, const int32_t *block_tables, int64_t table_stride,
+                               const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                               int64_t block_size, float scale, int nthreads) {
+    decode_attention(out, q, q_stride, q_dtype, NULL, NULL, k_cache, v_cache, kv_dtype, block_tables, table_stride,
+                     context_lens, B, Hq, Hk, D, block_size, scale, nthreads);
+}
+
+/* A decode step's attention from its projections, in one call: rotary on q and k, k and v
+   written to the cache at slots (slot < 0: not written), then attention as above. The same
+   numbers as pd_rotary, pd_store_kv and pd_paged_attention_decode in turn.
+   q: [B, Hq, D], k, v: [B, Hk, D], each with its token stride (heads D apart), all in dtype;
+   positions, slots: [B] int64; cos_sin: fp32 [P, D]. The new rows are stored before any
+   thread reads the cache: each sequence's context_len counts its new token. */
+void pd_rotary_store_attend(void *out, const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                            int64_t v_stride, int dtype, const int64_t *positions, const float *cos_sin,
+                            const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype,
+                            const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, int64_t B,
+                            int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int nthreads) {
+    const int64_t row = Hk * D;
+    float *cs = malloc(D * sizeof(float)), *src = malloc(row * sizeof(float)), *res = malloc(row * sizeof(float));
+    for (int64_t b = 0; b < B; b++) {
+        if (slots[b] < 0) continue;
+        rotary_coefficients(cs, cs + D / 2, cos_sin, positions[b], D, dtype);
+        load_row(src, at(k, b * k_stride, dtype), row, dtype);
+        for (int64_t h = 0; h < Hk; h++) rotate_row(res + h * D, src + h * D, cs, cs + D / 2, D, dtype);
+        store_row(at(k_cache, slots[b] * row, kv_dtype), res, row, kv_dtype);
+        load_row(src, at(v, b * v_stride, dtype), row, dtype);
+        store_row(at(v_cache, slots[b] * row, kv_dtype), src, row, kv_dtype);
+    }
+    free(cs), free(src), free(res);
+    decode_attention(out, q, q_stride, dtype, positions, cos_sin, k_cache, v_cache, kv_dtype, block_tables, table_stride,
+                     context_lens, B, Hq, Hk, D, block_size, scale, nthreads);
 }
