@@ -123,8 +123,9 @@ def isa_limits(features: CpuFeatures) -> dict[str, str]:
 
 
 # The GCC/Clang switch that keeps generated code off each capability, and everything that
-# needs it (-mno-avx512f drops every AVX-512 extension). None for AMX: no C kernel uses it.
-_COMPILER_SWITCHES = {"avx2": "-mno-avx", "avx512": "-mno-avx512f", "avx512_bf16": "-mno-avx512bf16", "amx": None}
+# needs it (-mno-avx512f drops every AVX-512 extension; the C kernels' AMX code also needs
+# AVX512-BF16, so it goes with either).
+_COMPILER_SWITCHES = {"avx2": "-mno-avx", "avx512": "-mno-avx512f", "avx512_bf16": "-mno-avx512bf16", "amx": "-mno-amx-tile"}
 
 
 def compiler_isa_flags(features: CpuFeatures) -> list[str]:

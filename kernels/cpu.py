@@ -57,6 +57,9 @@ _SIGNATURES = {  # name: (argument types, result type)
     "pd_rotary_store_attend": (
         [_p, _p, _i64, _p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64,
          _f32, _i32], None),
+    "pd_decode_layers": (
+        [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _i32, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i32],
+        None),
 }
 LINEAR_PLAIN, LINEAR_RMS_NORM, LINEAR_SILU_MUL = 0, 1, 2  # pd_linear's prologues
 
@@ -301,3 +304,38 @@ def rotary_store_attend(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache
         head_dim, block_size, scale, _threads(),
     )
     return out
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's tensors for `decode_layers` (pd_layer in the C file): packed linear
+    weights (PackedWeight.data), norm weights in the model's dtype, the layer's KV cache;
+    qkv_bias, q_norm and k_norm may be None."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down", "k_cache", "v_cache")]
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float  # every RMSNorm's
+    scale: float  # attention's
+
+
+def decode_layers(h: torch.Tensor, layers: ctypes.Array, shape: DecoderShape, positions, cos_sin_cache, slot_mapping,
+                  block_tables, context_lens, kv_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """Every decoder layer of a decode step in one call (pd_decode_layers): h [B, hidden] goes
+    through `layers` in turn and is updated in place; the layers' caches get the new K/V.
+    The step's metadata as `rotary_store_attend` takes it."""
+    positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
+    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    library().pd_decode_layers(
+        h.data_ptr(), h.shape[0], layers, len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+        shape.intermediate, shape.eps, shape.scale, DTYPE_CODES[h.dtype], positions.data_ptr(), cos_sin_cache.data_ptr(),
+        slots.data_ptr(), DTYPE_CODES[kv_dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(), block_size, _threads(),
+    )
+    return h

@@ -60,6 +60,8 @@ class DecoderBody(nn.Module):
 class CausalLM(nn.Module):
     """One tensor-parallel rank's part of the model (all of it when `group` has one rank)."""
 
+    cpu_decode_plan: cpu_decode.DecodePlan | None = None  # built by the first CPU decode step
+
     def __init__(self, arch: ModelArch, max_positions: int, group: TensorParallelGroup = SINGLE):
         super().__init__()
         self.arch = arch
@@ -93,9 +95,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if cpu_decode.applies(self, h, meta, kv_caches[0]):  # a CPU decode step: each layer in five C calls
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
-                h = cpu_decode.decode_layer(layer, h, positions, kv_cache, meta)
+        if cpu_decode.applies(self, h, meta, kv_caches[0]):  # a CPU decode step: all layers in one C call
+            h = cpu_decode.decode_layers(self, h, positions, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
                 h = layer(h, positions, kv_cache, meta)

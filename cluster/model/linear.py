@@ -25,9 +25,20 @@ pair measured side by side (alternating) in one run:
     fp32 capped at AVX2, packed  14 / 22  19 / 31  24 / 28   41 / 47  65 / 55
     bf16 capped at AVX2, F.linear                  22 / 54   38 / 100 75 / 211  (512: 1136 / 3551)
 
-so the C kernel takes up to C_KERNEL_MAX_ROWS rows, oneDNN the rest; bf16 without native
-bf16 takes the C kernel at any row count (oneDNN cannot pack bf16 there, and F.linear
-emulates it 3x slower). Each packed copy costs one more copy of the weight in memory.
+The same on an Intel Xeon with AMX (Sapphire Rapids class, 2 threads), where the C kernel
+multiplies bf16 in AMX tiles of 16 rows (the same packed weight):
+
+    rows                          1        4        8        16       32       64
+    bf16, AMX                    10 / 13  10 / 13  10 / 13   10 / 13  13 / 15  18 / 16
+    bf16, AMX forced off          10 / 14  14 / 18  19 / 20   26 / 27  43 / 43  77 / 74
+    fp32, packed                 16 / 21  21 / 22  25 / 25   37 / 30  60 / 41  107 / 65
+    fp32 capped at AVX2, packed  18 / 25  21 / 31  25 / 37   34 / 44  52 / 58  89 / 89
+
+so the C kernel takes up to C_KERNEL_MAX_ROWS rows (AMX_KERNEL_MAX_ROWS in bf16 with AMX),
+oneDNN the rest; bf16 without native bf16 takes the C kernel at any row count (oneDNN
+cannot pack bf16 there, and F.linear emulates it 3x slower). A decode step whose rows the C
+kernel takes also runs all its layers in one C call (cluster/model/cpu_decode.py), which
+saves more than the few rows where oneDNN is ahead cost. Each packed copy costs one more copy of the weight in memory.
 bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py):
 without it oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path.
 """
@@ -43,12 +54,15 @@ from kernels import cpu
 
 PACKED_MAX_ROWS = 256
 C_KERNEL_MAX_ROWS = 16
+AMX_KERNEL_MAX_ROWS = 32
 
 
 def c_kernel_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the C kernel beats the other paths on this CPU (the table above)."""
+    """Rows up to which the C kernel beats the other paths on this CPU (the tables above)."""
     if dtype == torch.bfloat16 and not detect().native_bf16:
         return sys.maxsize
+    if dtype == torch.bfloat16 and detect().amx:
+        return AMX_KERNEL_MAX_ROWS
     return C_KERNEL_MAX_ROWS if dtype in (torch.float32, torch.bfloat16) else 0
 
 

@@ -18,6 +18,10 @@ Invariants shared by every function:
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -141,9 +145,11 @@ static inline float hsum(vecf v) {
    SIMD load holds the same k for a block of outputs and each input row's x[k] is
    broadcast against it: every row of a small batch (a decode step) reuses each loaded
    weight vector from a register, with no horizontal sums at all.
-     AVX512-BF16, bf16:  [O/16][K/2][16][2]   (vdpbf16ps multiplies k pairs)
+     AVX512-BF16, bf16:  [O/16][KP][16][2]    (vdpbf16ps multiplies k pairs; so does AMX's
+                                               TDPBF16PS, a [16 x 16 x 2] weight tile at a time)
      otherwise:          [O/VLEN][K][VLEN]     (weight dtype; fp32 FMAs)
-   O is padded with zero columns to whole blocks, K to even (bf16 pairs). */
+   O is padded with zero columns to whole blocks; in pairs, K with zeros to whole AMX tiles
+   (KP = K/2 rounded up to 16 pairs: nothing for the usual K, a multiple of 32). */
 #if defined(__AVX512BF16__)
 #define PAIRS(dtype) ((dtype) == BF16)
 #else
@@ -154,18 +160,20 @@ static inline float hsum(vecf v) {
 #define PACK_ROWS (VLEN >= 16 ? 8 : 4)
 
 static int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+#define TILE_PAIRS 16 /* k pairs in an AMX weight tile: 16 rows of 64 bytes */
+static int64_t packed_pairs(int64_t K) { return round_up(K, 2 * TILE_PAIRS) / 2; }
 
 /* Elements the packed weight takes, and the layout's name: its block width, plus 1000 when
    k comes in pairs (kernels/cpu.py checks it: a library built for another ISA packs
    differently). */
 int64_t pd_packed_linear_numel(int64_t K, int64_t O, int dtype) {
-    return round_up(O, PACK_BLOCK(dtype)) * (PAIRS(dtype) ? round_up(K, 2) : K);
+    return round_up(O, PACK_BLOCK(dtype)) * (PAIRS(dtype) ? 2 * packed_pairs(K) : K);
 }
 int pd_packed_linear_layout(int dtype) { return PAIRS(dtype) ? 1016 : VLEN; }
 
 /* w: [O, K] (dtype) -> wp (the layout above). */
 void pd_pack_linear_weight(const void *w, void *wp, int64_t K, int64_t O, int dtype) {
-    const int64_t n = PACK_BLOCK(dtype), pair = PAIRS(dtype) ? 2 : 1, KP = round_up(K, pair);
+    const int64_t n = PACK_BLOCK(dtype), pair = PAIRS(dtype) ? 2 : 1, KP = PAIRS(dtype) ? 2 * packed_pairs(K) : K;
     const int64_t size = dtype == BF16 ? 2 : 4;
     memset(wp, 0, pd_packed_linear_numel(K, O, dtype) * size);
     for (int64_t o = 0; o < O; o++)
@@ -195,6 +203,53 @@ static inline __attribute__((always_inline)) void packed_block_pairs(const bf16_
     }
     for (int m = 0; m < M; m++)
         for (int j = 0; j < NO; j++) _mm512_storeu_ps(y + m * y_stride + j * 16, acc[m][j]);
+}
+#endif
+
+/* AMX (Sapphire Rapids+): TDPBF16PS multiplies a [16 rows x 32 k] bf16 tile of x by a
+   [16 pairs x 16 columns x 2] weight tile, which is 1 KB of the pairs layout as it lies, into
+   a [16 x 16] fp32 tile. x comes in whole tiles of 16 rows (zero rows pad a smaller batch:
+   the tile costs the same, and a decode step's linears are bound by the weight reads). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#define AMX_ROWS 16
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 1 /* batches from this many rows take AMX */
+#endif
+/* Linux gives a process AMX's tile state only when it asks (oneDNN asks too); asked once. */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+/* Tiles 0, 1: the fp32 sums of two output blocks; 2: x; 3, 4: the blocks' weights. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t bytes_per_row[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) config = {.palette = 1};
+    for (int t = 0; t < 5; t++) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+}
+
+/* y[0..16, 0..16 * NO) += x [16 rows, 2 KP] (rows x_stride apart) times NO packed blocks at wp. */
+static inline __attribute__((always_inline)) void amx_blocks(const bf16_t *x, int64_t x_stride, const bf16_t *wp, int64_t KP,
+                                                             float *y, int64_t y_stride, const int NO) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t kp = 0; kp < KP; kp += TILE_PAIRS) {
+        _tile_loadd(2, x + 2 * kp, x_stride * 2);
+        _tile_loadd(3, wp + kp * 32, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        if (NO == 2) {
+            _tile_loadd(4, wp + (KP + kp) * 32, 64);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+    }
+    _tile_stored(0, y, y_stride * 4);
+    if (NO == 2) _tile_stored(1, y + 16, y_stride * 4);
 }
 #endif
 
@@ -268,16 +323,22 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
 void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const void *wp, const void *bias,
                const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int nthreads) {
     const int64_t n = PACK_BLOCK(dtype), blocks = round_up(O, n) / n, OP = blocks * n;
-    float *yf = aligned_alloc(64, round_up(B * OP * sizeof(float), 64));
     const int pairs = PAIRS(dtype);
-    const int64_t KP = round_up(K, 2) / 2;
-    /* x as the kernel reads it: bf16 with K even (pairs), else fp32 */
-    void *xc = aligned_alloc(64, round_up(B * (pairs ? KP * 4 : K * 4), 64));
+    const int64_t KP = pairs ? packed_pairs(K) : 0;
+#if defined(HAVE_AMX)
+    const int amx = pairs && B >= AMX_MIN_ROWS && amx_permitted();
+    const int64_t rows = amx ? round_up(B, AMX_ROWS) : B;
+#else
+    const int amx = 0;
+    const int64_t rows = B;
+#endif
+    float *yf = aligned_alloc(64, round_up(rows * OP * 4, 64));
+    /* x as the kernel reads it: in pairs, bf16 rows of 2 KP with zeros past K (and zero rows
+       up to whole AMX tiles); otherwise fp32 */
+    void *xc = aligned_alloc(64, round_up(rows * (pairs ? KP * 4 : K * 4), 64));
+    if (pairs) memset(xc, 0, rows * KP * 4);
     if (prologue == LINEAR_PLAIN && pairs) {
-        for (int64_t b = 0; b < B; b++) {
-            memcpy((bf16_t *)xc + b * KP * 2, at(x, b * K, dtype), K * 2);
-            if (K % 2) ((bf16_t *)xc)[b * KP * 2 + K] = 0;
-        }
+        for (int64_t b = 0; b < B; b++) memcpy((bf16_t *)xc + b * KP * 2, at(x, b * K, dtype), K * 2);
     } else if (prologue == LINEAR_PLAIN) {
         load_row(xc, x, B * K, dtype);
     } else {
@@ -289,10 +350,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
         for (int64_t b = 0; b < B; b++) {
             float *dst = pairs ? row : (float *)xc + b * K;
             linear_input_row(dst, scratch, x, b, K, dtype, prologue, norm_wf, eps);
-            if (pairs) {
-                store_row((bf16_t *)xc + b * KP * 2, row, K, BF16); /* exact: row is already rounded */
-                if (K % 2) ((bf16_t *)xc)[b * KP * 2 + K] = 0;
-            }
+            if (pairs) store_row((bf16_t *)xc + b * KP * 2, row, K, BF16); /* exact: row is already rounded */
         }
         free(row), free(scratch), free(norm_wf);
     }
@@ -300,7 +358,21 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        for (int64_t ob = b0; ob < b1; ob += 2) {
+#if defined(HAVE_AMX)
+        if (amx) {
+            amx_configure();
+            for (int64_t ob = b0; ob < b1; ob += 2)
+                for (int64_t m0 = 0; m0 < rows; m0 += AMX_ROWS) {
+                    const bf16_t *xb = (const bf16_t *)xc + m0 * KP * 2, *wb = (const bf16_t *)wp + ob * KP * 32;
+                    if (b1 - ob >= 2)
+                        amx_blocks(xb, KP * 2, wb, KP, yf + m0 * OP + ob * n, OP, 2);
+                    else
+                        amx_blocks(xb, KP * 2, wb, KP, yf + m0 * OP + ob * n, OP, 1);
+                }
+            _tile_release();
+        }
+#endif
+        for (int64_t ob = b0; ob < b1 && !amx; ob += 2) {
             const int no = b1 - ob >= 2 ? 2 : 1;
             for (int64_t m0 = 0; m0 < B; m0 += PACK_ROWS) {
                 const int mm = B - m0 < PACK_ROWS ? (int)(B - m0) : PACK_ROWS;
@@ -623,4 +695,59 @@ void pd_rotary_store_attend(void *out, const void *q, int64_t q_stride, const vo
     free(cs), free(src), free(res);
     decode_attention(out, q, q_stride, dtype, positions, cos_sin, k_cache, v_cache, kv_dtype, block_tables, table_stride,
                      context_lens, B, Hq, Hk, D, block_size, scale, nthreads);
+}
+
+/* ---- a whole decode step's decoder layers, in one call ---- */
+
+/* One decoder layer's tensors: packed linear weights (pd_pack_linear_weight's layout), norm
+   weights [H] or [D] (the model's dtype), its KV cache. qkv_bias, q_norm and k_norm may be
+   NULL (Qwen2 has the bias, Qwen3 the per-head norms). */
+typedef struct {
+    const void *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o_proj, *post_norm, *gate_up, *down;
+    void *k_cache, *v_cache;
+} pd_layer;
+
+/* Per-head RMSNorm in place over `heads` heads of D in each of B rows (row_stride apart). */
+static void norm_heads(void *x, int64_t row_stride, int64_t B, int64_t heads, int64_t D, const void *weight, float eps,
+                       int dtype) {
+    float *row = malloc(D * sizeof(float)), *wf = malloc(D * sizeof(float));
+    load_row(wf, weight, D, dtype);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < heads; h++) {
+            void *p = at(x, b * row_stride + h * D, dtype);
+            load_row(row, p, D, dtype);
+            normalize_row(row, wf, D, eps, dtype);
+            store_row(p, row, D, dtype);
+        }
+    free(row), free(wf);
+}
+
+/* h: [B, H] (dtype), updated in place through every layer: for each,
+     h = h + o_proj(attend(rotary(q), store(rotary(k), v))),  q|k|v = qkv(rms_norm(h))
+     h = h + down(silu(gate) * up),                           gate|up = gate_up(rms_norm(h))
+   with pd_linear's prologues and epilogues, pd_rotary_store_attend, and Qwen3's per-head
+   norms of q and k between; every intermediate rounded to dtype as the per-op path rounds
+   it. I: the MLP's intermediate size; the step's metadata as pd_rotary_store_attend's. */
+void pd_decode_layers(void *h, int64_t B, const pd_layer *layers, int64_t num_layers, int64_t H, int64_t Hq, int64_t Hk,
+                      int64_t D, int64_t I, float eps, float scale, int dtype, const int64_t *positions,
+                      const float *cos_sin, const int64_t *slots, int kv_dtype, const int32_t *block_tables,
+                      int64_t table_stride, const int32_t *context_lens, int64_t block_size, int nthreads) {
+    const int64_t q_size = Hq * D, kv_size = Hk * D, QKV = q_size + 2 * kv_size, size = dtype == BF16 ? 2 : 4;
+    char *qkv = malloc(B * QKV * size), *attn = malloc(B * q_size * size), *gate_up = malloc(B * 2 * I * size);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const pd_layer *L = layers + l;
+        pd_linear(h, LINEAR_RMS_NORM, L->input_norm, eps, L->qkv, L->qkv_bias, NULL, qkv, B, H, QKV, dtype, nthreads);
+        if (L->q_norm) {
+            norm_heads(qkv, QKV, B, Hq, D, L->q_norm, eps, dtype);
+            norm_heads(qkv + q_size * size, QKV, B, Hk, D, L->k_norm, eps, dtype);
+        }
+        pd_rotary_store_attend(attn, qkv, QKV, qkv + q_size * size, QKV, qkv + (q_size + kv_size) * size, QKV, dtype,
+                               positions, cos_sin, slots, L->k_cache, L->v_cache, kv_dtype, block_tables, table_stride,
+                               context_lens, B, Hq, Hk, D, block_size, scale, nthreads);
+        /* residual == y: the epilogue reads each element before it writes it */
+        pd_linear(attn, LINEAR_PLAIN, NULL, 0.f, L->o_proj, NULL, h, h, B, q_size, H, dtype, nthreads);
+        pd_linear(h, LINEAR_RMS_NORM, L->post_norm, eps, L->gate_up, NULL, NULL, gate_up, B, H, 2 * I, dtype, nthreads);
+        pd_linear(gate_up, LINEAR_SILU_MUL, NULL, 0.f, L->down, NULL, h, h, B, I, H, dtype, nthreads);
+    }
+    free(qkv), free(attn), free(gate_up);
 }

@@ -1,6 +1,6 @@
 """The fused CPU decode step (cluster/model/cpu_decode.py) against the per-op path it replaces:
 first each fused C call against the ops it folds together, then whole decode steps of every
-tiny family. Built for this CPU and capped at AVX2, like tests/unit/test_cpu_kernels.py.
+tiny family. On every build of tests/unit/test_cpu_kernels.py's ISA_BUILDS.
 
 Exactness: the fused calls round every intermediate where the per-op path does, so they give
 the same bits; only silu_mul differs, by SiLU's exp (within an ulp before rounding)."""
@@ -16,7 +16,7 @@ from cluster.model.linear import C_KERNEL_MAX_ROWS
 from cluster.model.loader import load_model
 from kernels import cpu
 from kernels.silu_gate import silu_and_mul_reference
-from tests.unit.test_cpu_kernels import AVX2_FLAGS, DTYPES
+from tests.unit.test_cpu_kernels import DTYPES, ISA_BUILDS
 from tests.unit.test_kernels import _cos_sin_cache, _paged_setup, _tol
 
 
@@ -25,9 +25,9 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["native", "AVX2"], autouse=True)
+@pytest.fixture(params=list(ISA_BUILDS), autouse=True)
 def isa(request):
-    cpu.configure(AVX2_FLAGS if request.param == "AVX2" else [])
+    cpu.configure(ISA_BUILDS[request.param])
     assert cpu.available(), "the C kernels did not build"
     yield request.param
     cpu.configure([])

@@ -43,7 +43,7 @@ def test_compiler_switches_follow_what_is_forced_off():
     assert switches("") == [] and switches("", AVX2) == []  # -march=native alone is right
     assert switches("avx512") == ["-mno-avx512f"]  # which drops every AVX-512 extension
     assert switches("avx512_bf16") == ["-mno-avx512bf16"]
-    assert switches("amx") == []  # no C kernel uses AMX
+    assert switches("amx") == ["-mno-amx-tile"]  # the C linear's AMX tiles
     assert switches("avx2") == ["-mno-avx"]
     assert switches("amx", AVX2) == ["-mno-avx512f"]  # harmless where AVX-512 is absent anyway
 
@@ -109,13 +109,18 @@ def test_bf16_weights_are_prepacked_only_with_native_bf16_and_fp32_ones_everywhe
     assert not linear.can_pack(weight.half())
 
 
-def test_the_c_kernel_takes_every_bf16_row_count_where_bf16_is_not_native(cpu):
+def test_the_c_kernel_row_limit_follows_the_cpu(cpu):
+    """Every bf16 row count where bf16 is not native; more rows with AMX (linear.py's tables)."""
     rows = linear.c_kernel_max_rows
-    for flags in (ZEN4, AVX512, AVX2):
+    for flags in (SAPPHIRE_RAPIDS, ZEN4, AVX512, AVX2):
         cpu(flags)
         assert rows(torch.float32) == linear.C_KERNEL_MAX_ROWS and rows(torch.float16) == 0
     cpu(ZEN4)
     assert rows(torch.bfloat16) == linear.C_KERNEL_MAX_ROWS  # oneDNN's packed bf16 GEMM beyond
+    cpu(SAPPHIRE_RAPIDS)  # the C kernel's AMX tiles keep up further
+    assert rows(torch.bfloat16) == linear.AMX_KERNEL_MAX_ROWS and rows(torch.float32) == linear.C_KERNEL_MAX_ROWS
+    cpu(SAPPHIRE_RAPIDS, disabled="amx")
+    assert rows(torch.bfloat16) == linear.C_KERNEL_MAX_ROWS
     cpu(AVX512)  # oneDNN cannot pack bf16 here, and F.linear only emulates it
     assert rows(torch.bfloat16) > 100_000
 

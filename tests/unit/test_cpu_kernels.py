@@ -21,6 +21,11 @@ from tests.unit.test_kernels import _caches, _cos_sin_cache, _naive_decode_atten
 
 DTYPES = [torch.float32, torch.bfloat16]
 AVX2_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx512"})))  # as on an AVX2-only EPYC
+# The builds every test runs on: for this CPU, capped at AVX2, and on an AMX CPU also without
+# AMX (as on an AMD EPYC with AVX-512-BF16), so each code path of the C file runs here.
+ISA_BUILDS = {"native": [], "AVX2": AVX2_FLAGS}
+if features_from_flags(cpu_flags(), frozenset()).amx:
+    ISA_BUILDS["no AMX"] = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"amx"})))
 
 
 @pytest.fixture(autouse=True)
@@ -28,33 +33,36 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["native", "AVX2"], autouse=True)
+@pytest.fixture(params=list(ISA_BUILDS), autouse=True)
 def isa(request):
-    """Every test runs on the library built for this CPU and on the one capped at AVX2."""
-    cpu.configure(AVX2_FLAGS if request.param == "AVX2" else [])
+    """Every test runs on each of ISA_BUILDS."""
+    cpu.configure(ISA_BUILDS[request.param])
     assert cpu.available(), "the C kernels did not build"
     yield request.param
     cpu.configure([])
 
 
-def _uses_avx512(path) -> bool:
-    disassembly = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
-    return "zmm" in disassembly
+def _disassembly(path) -> str:
+    return subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
 
 
 def test_the_build_follows_the_isa_cap(isa):
     path = cpu.build()
     assert path.exists() and path.parent == cpu.CACHE_DIR
+    code = _disassembly(path)
     if isa == "AVX2":
-        assert not _uses_avx512(path)
+        assert "zmm" not in code
         assert "-mno-avx512f" in cpu.compile_flags()
     elif " avx512f " in open("/proc/cpuinfo").read() and "-mno-avx512f" not in cpu.compile_flags():
-        assert _uses_avx512(path)  # an AVX-512 CPU gets AVX-512 code
+        assert "zmm" in code  # an AVX-512 CPU gets AVX-512 code
+    has_amx = features_from_flags(cpu_flags(), frozenset()).amx and isa == "native"
+    assert ("tdpbf16ps" in code) == has_amx  # AMX tiles exactly where the CPU has them and they are not forced off
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 20])  # 9, 20: more rows than one register block
-# 7 and 40 outputs: part of a block; 33 inputs: odd (bf16 pairs pad it)
+# 9, 20: more rows than one register block; 20, 33: than one AMX tile (16 rows)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 20, 33])
+# 7 and 40 outputs: part of a block; 33 and 100 inputs: not whole AMX tiles of k (pairs pad them)
 @pytest.mark.parametrize("in_features, out_features", [(64, 96), (100, 7), (33, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(dtype, rows, in_features, out_features, bias):
@@ -74,7 +82,7 @@ def test_linear_takes_a_strided_input():
 
 
 def test_a_weight_packed_by_another_build_is_told_apart(isa):
-    """Each build packs for its own ISA (AVX512-BF16 pairs, or its vector width), and
+    """Each build packs for its own ISA (AVX512-BF16 / AMX pairs, or its vector width), and
     `Linear` repacks when the library it runs on changed."""
     from cluster.model.linear import Linear  # noqa: PLC0415
 
@@ -90,7 +98,7 @@ def test_a_weight_packed_by_another_build_is_told_apart(isa):
         torch.testing.assert_close(layer(x).double(), expected, **_tol(torch.bfloat16))
         assert layer.kernel_weight.fits_library()
     finally:
-        cpu.configure(AVX2_FLAGS if isa == "AVX2" else [])
+        cpu.configure(ISA_BUILDS[isa])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
