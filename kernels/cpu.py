@@ -50,6 +50,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "pd_pack_linear_weight": ([_p, _p, _i64, _i64, _i32], None),
     "pd_linear": ([_p, _i32, _p, _f32, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "pd_rms_norm": ([_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32], None),
+    "pd_silu_and_mul": ([_p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "pd_rotary": ([_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i32], None),
     "pd_store_kv": ([_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i32, _i32], None),
     "pd_paged_attention_decode": (
@@ -242,6 +243,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     library().pd_rms_norm(out.data_ptr(), rows.data_ptr(), rows.stride(0), weight.data_ptr(), rows.shape[0], hidden, eps,
                           DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], DTYPE_CODES[out.dtype], _threads())
     return out.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2I] -> [T, I]
+    rows = x.reshape(-1, x.shape[-1])
+    inter = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
+    library().pd_silu_and_mul(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], inter, DTYPE_CODES[x.dtype],
+                              _threads())
+    return out.view(*x.shape[:-1], inter)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import cpu
+
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)  # gate, up: [T, I]
@@ -43,4 +45,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return silu_and_mul_triton(x)
+    if cpu.usable(x) and x.shape[-1] % 2 == 0:
+        return cpu.silu_and_mul(x)
     return silu_and_mul_reference(x)

@@ -56,7 +56,17 @@ static inline bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
-static inline float round_to(float f, int dtype) { return dtype == BF16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
+/* f rounded to dtype, kept in fp32: bf16_to_f32(f32_to_bf16(f)) in 32-bit lanes, so a loop of
+   them vectorizes without narrowing to 16 bits and back. */
+static inline float round_to(float f, int dtype) {
+    if (dtype != BF16) return f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    r = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+    memcpy(&f, &r, 4);
+    return f;
+}
 
 static void load_row(float *dst, const void *src, int64_t n, int dtype) {
     if (dtype == BF16) {
@@ -75,6 +85,10 @@ static void store_row(void *dst, const float *src, int64_t n, int dtype) {
         memcpy(dst, src, n * sizeof(float));
     }
 }
+
+/* Row-wise ops split their rows over the threads only from this many rows (a prefill):
+   below it, waking the pool costs more than the work. */
+#define PARALLEL_MIN_ROWS 32
 
 static inline void *at(const void *base, int64_t index, int dtype) {
     return (char *)base + index * (dtype == BF16 ? 2 : 4);
@@ -288,8 +302,32 @@ static inline __attribute__((always_inline)) void packed_block(const float *x, i
 
 /* sigmoid(x) * x in fp32 for any x: exp only of a non-positive number, so it never overflows. */
 static inline float silu(float x) {
-    const float e = exp_nonpositive(x < 0.f ? x : -x); /* exp(-|x|) */
-    return x * (x < 0.f ? e / (1.f + e) : 1.f / (1.f + e));
+    const float e = exp_nonpositive(-fabsf(x)); /* exp(-|x|): sigmoid(x) = 1 / (1 + e), or e / (1 + e) below 0 */
+    return x * ((x < 0.f ? e : 1.f) / (1.f + e));
+}
+
+/* out [I] = silu(gate) * up from x [2I] = gate | up, rounded as torch's `F.silu(gate) * up`
+   rounds: silu to dtype, then the product. scratch: 2I floats. */
+static void silu_mul_row(float *out, float *scratch, const void *x, int64_t I, int dtype) {
+    load_row(scratch, x, 2 * I, dtype);
+    if (dtype == BF16) /* a constant dtype in each loop: both vectorize */
+        for (int64_t i = 0; i < I; i++) out[i] = round_to(round_to(silu(scratch[i]), BF16) * scratch[I + i], BF16);
+    else
+        for (int64_t i = 0; i < I; i++) out[i] = silu(scratch[i]) * scratch[I + i];
+}
+
+/* x: [N, 2I] rows x_stride apart -> out: [N, I] contiguous, both dtype (a prefill's rows). */
+void pd_silu_and_mul(void *out, const void *x, int64_t x_stride, int64_t N, int64_t I, int dtype, int nthreads) {
+#pragma omp parallel num_threads(N >= PARALLEL_MIN_ROWS ? nthreads : 1)
+    {
+        float *row = malloc(I * sizeof(float)), *scratch = malloc(2 * I * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            silu_mul_row(row, scratch, at(x, n * x_stride, dtype), I, dtype);
+            store_row(at(out, n * I, dtype), row, I, dtype);
+        }
+        free(row), free(scratch);
+    }
 }
 
 /* What a linear may compute on its input rows as it reads them (the op before it, fused):
@@ -302,8 +340,7 @@ enum { LINEAR_PLAIN = 0, LINEAR_RMS_NORM = 1, LINEAR_SILU_MUL = 2 };
 static void linear_input_row(float *row, float *scratch, const void *x, int64_t b, int64_t K, int dtype, int prologue,
                              const float *norm_wf, float eps) {
     if (prologue == LINEAR_SILU_MUL) {
-        load_row(scratch, at(x, b * 2 * K, dtype), 2 * K, dtype);
-        for (int64_t k = 0; k < K; k++) row[k] = round_to(round_to(silu(scratch[k]), dtype) * scratch[K + k], dtype);
+        silu_mul_row(row, scratch, at(x, b * 2 * K, dtype), K, dtype);
         return;
     }
     load_row(row, at(x, b * K, dtype), K, dtype);
@@ -420,9 +457,6 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
     free(yf);
 }
 
-/* Row-wise ops split their rows over the threads only from this many rows (a prefill):
-   below it, waking the pool costs more than the work. */
-#define PARALLEL_MIN_ROWS 32
 
 /* ---- RMSNorm, Hugging Face numerics: normalise in fp32, round to x's dtype, then scale ---- */
 

@@ -365,5 +365,6 @@ def test_public_ops_take_the_c_kernels_on_cpu_where_they_build():
     assert cpu.available()
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), cpu.rms_norm(x, w, 1e-6))
+    assert torch.equal(kernels.silu_and_mul(x), cpu.silu_and_mul(x))
     args = _paged_setup([5, 20], 4, 2, 64, 8, torch.float32, "nan_blocks")
     assert torch.equal(kernels.paged_attention_decode(*args, 0.125), cpu.paged_attention_decode(*args, 0.125))
