@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,15 +89,25 @@ def features_from_flags(flags: set[str], disabled: frozenset[str] = frozenset())
     return CpuFeatures(**have, disabled=disabled)
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The first processor's feature flags (Linux); empty where there is no cpuinfo."""
+def _cpuinfo_field(name: str, cpuinfo: Path) -> str | None:
+    """The first processor's `name` field (Linux); None where there is no cpuinfo."""
     try:
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            if line.split(":", 1)[0].strip() == name:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The first processor's feature flags (Linux); empty where there is no cpuinfo."""
+    return set((_cpuinfo_field("flags", cpuinfo) or "").split())
+
+
+def cpu_summary(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """Model name and capabilities, as benchmark results record the machine."""
+    return f"{_cpuinfo_field('model name', cpuinfo) or platform.machine()}, {os.cpu_count()} cores: {detect().describe()}"
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from cluster.bench.plots import plot_engine_bench
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.cpu_features import cpu_summary
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from kernels import cpu as cpu_kernels
@@ -190,6 +191,7 @@ def run_engine_bench(args) -> int:
     matmul_flops = measure_matmul_flops(min(step_rows, max(batch_sizes) * args.input_len), engine.loaded.arch, engine.loaded.dtype)
     results = {
         "model": args.model,
+        "cpu": cpu_summary(),
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -224,7 +226,7 @@ def run_engine_bench(args) -> int:
             results["runs"].append(run)
     engine.close()  # tensor parallel: the other ranks' processes
 
-    print(f"\nCPU ops: {results['cpu_ops']}")
+    print(f"\nCPU: {results['cpu']}; CPU ops: {results['cpu_ops']}")
     print(f"weights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
     print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")
     for run in results["runs"]:
