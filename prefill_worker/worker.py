@@ -21,6 +21,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
+from cluster.errors import EngineDeadError
 from cluster.kv.transport import KVTransferError
 from cluster.messages import PrefillRequest, PrefillResult
 from cluster.worker import EngineWorker
@@ -49,11 +50,9 @@ class PrefillWorker(EngineWorker):
         async for out in self.engine.generate(req.prompt_token_ids, params, req.request_id, hold_kv=True, generated=req.generated):  # noqa: B007
             pass  # one delta: the first token
         self.publish_soon()  # the prompt's blocks are cached now
-        try:
-            blocks = await self.engine.call(lambda e: e.block_table(req.request_id))
-        except BaseException:  # cancelled (the decode side gave up): the held blocks return
-            self.engine.abort(req.request_id)
-            raise
+        blocks = out.held_block_ids
+        if blocks is None:  # it ended without holding its KV (aborted): there is nothing to send
+            raise EngineDeadError(f"the prefill of {req.request_id} ended without its KV ({out.finish_reason})")
         # Tokens [num_cached_tokens, prompt end) live in the blocks after the decode's cached ones.
         to_send = blocks[req.num_cached_tokens // self.block_size :][: req.num_blocks]
         transfer_id = next(self._transfer_ids)

@@ -55,6 +55,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None
+    # Finished and hold_kv: the blocks that keep its KV until it is released (a prefill
+    # worker sends them without another trip to the engine thread, a whole step later).
+    held_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -340,6 +343,7 @@ class Engine:
             num_output_tokens=len(r.output_token_ids),
             num_cached_tokens=r.num_cached_prompt_tokens,
             logprobs=logprobs,
+            held_block_ids=self.block_table(r.request_id) if r.request_id in self.scheduler.held else None,
         )
 
     @property

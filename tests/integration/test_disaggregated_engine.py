@@ -30,13 +30,14 @@ def copy_blocks(src: Engine, src_ids, dst: Engine, dst_ids):
 
 def prefill(engine: Engine, prompt, params, generated=()) -> tuple[str, int]:
     """Run the prompt (and the tokens already generated) for its next token, keeping its
-    blocks: (request id, that token)."""
+    blocks: (request id, that token). Its finished output names the blocks it holds."""
     rid = engine.add_request(prompt, params.for_first_token(len(generated)), hold_kv=True, generated=generated)
     token = None
     while token is None:
         for out in engine.step():
             if out.request_id == rid and out.new_token_ids:
                 token = out.new_token_ids[0]
+                assert out.finished and out.held_block_ids == engine.block_table(rid) and out.held_block_ids
     return rid, token
 
 
@@ -61,6 +62,7 @@ def disaggregated(p_engine: Engine, d_engine: Engine, prompt, params, kv_receive
     while not out.finished:
         for out in d_engine.step():
             tokens += out.new_token_ids
+            assert out.held_block_ids is None  # its blocks are the decode engine's own now
             d_engine.check_integrity()
     return tokens, num_cached, len(dst_ids)
 
