@@ -16,21 +16,8 @@ from cluster.model.linear import C_KERNEL_MAX_ROWS
 from cluster.model.loader import load_model
 from kernels import cpu
 from kernels.silu_gate import silu_and_mul_reference
-from tests.unit.test_cpu_kernels import DTYPES, ISA_BUILDS
+from tests.unit.test_cpu_kernels import DTYPES, _seed, isa  # noqa: F401 - its autouse fixtures: a seed, every ISA build
 from tests.unit.test_kernels import _cos_sin_cache, _paged_setup, _tol
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-@pytest.fixture(params=list(ISA_BUILDS), autouse=True)
-def isa(request):
-    cpu.configure(ISA_BUILDS[request.param])
-    assert cpu.available(), "the C kernels did not build"
-    yield request.param
-    cpu.configure([])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
