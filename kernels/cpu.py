@@ -280,13 +280,17 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
                           v_cache.data_ptr(), slots.data_ptr(), tokens, row, DTYPE_CODES[key.dtype], DTYPE_CODES[k_cache.dtype])
 
 
+def _tables_and_lens(block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's block tables and context lengths as the C side reads them (int32)."""
+    return block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+
+
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.stride(1) != head_dim:
         q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
+    tables, lens = _tables_and_lens(block_tables, context_lens)
     out = torch.empty(q.shape, dtype=q.dtype)
     library().pd_paged_attention_decode(
         out.data_ptr(), q.data_ptr(), q.stride(0), DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
@@ -305,8 +309,7 @@ def rotary_store_attend(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache
     _, block_size, num_kv_heads, _ = k_cache.shape
     q, k, v = (t if t.stride(1) == head_dim else t.contiguous() for t in (q, k, v))
     positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
+    tables, lens = _tables_and_lens(block_tables, context_lens)
     out = torch.empty(q.shape, dtype=q.dtype)
     library().pd_rotary_store_attend(
         out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), DTYPE_CODES[q.dtype],
@@ -343,7 +346,7 @@ def decode_layers(h: torch.Tensor, layers: ctypes.Array, shape: DecoderShape, po
     through `layers` in turn and is updated in place; the layers' caches get the new K/V.
     The step's metadata as `rotary_store_attend` takes it."""
     positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
-    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    tables, lens = _tables_and_lens(block_tables, context_lens)
     library().pd_decode_layers(
         h.data_ptr(), h.shape[0], layers, len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
         shape.intermediate, shape.eps, shape.scale, DTYPE_CODES[h.dtype], positions.data_ptr(), cos_sin_cache.data_ptr(),

@@ -38,7 +38,8 @@ so the C kernel takes up to C_KERNEL_MAX_ROWS rows (AMX_KERNEL_MAX_ROWS in bf16 
 oneDNN the rest; bf16 without native bf16 takes the C kernel at any row count (oneDNN
 cannot pack bf16 there, and F.linear emulates it 3x slower). A decode step whose rows the C
 kernel takes also runs all its layers in one C call (cluster/model/cpu_decode.py), which
-saves more than the few rows where oneDNN is ahead cost. Each packed copy costs one more copy of the weight in memory.
+saves more than oneDNN's lead at a few row counts (fp32 at 16 rows) costs. Each packed copy
+costs one more copy of the weight in memory.
 bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py):
 without it oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path.
 """
