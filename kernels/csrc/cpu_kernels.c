@@ -48,22 +48,20 @@ static inline float bf16_to_f32(bf16_t v) {
     return f;
 }
 
-static inline bf16_t f32_to_bf16(float f) {
+/* f rounded to bf16 as torch rounds (nearest, ties to even; NaN stays NaN), as fp32 bits: in
+   32-bit lanes, so a loop of them vectorizes without narrowing to 16 bits and back. */
+static inline uint32_t bf16_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                     /* round to nearest, ties to even */
-    return (bf16_t)(u >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
 }
 
-/* f rounded to dtype, kept in fp32: bf16_to_f32(f32_to_bf16(f)) in 32-bit lanes, so a loop of
-   them vectorizes without narrowing to 16 bits and back. */
+static inline bf16_t f32_to_bf16(float f) { return (bf16_t)(bf16_bits(f) >> 16); }
+
+/* f rounded to dtype, kept in fp32. */
 static inline float round_to(float f, int dtype) {
     if (dtype != BF16) return f;
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    r = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+    const uint32_t r = bf16_bits(f);
     memcpy(&f, &r, 4);
     return f;
 }
@@ -227,9 +225,6 @@ static inline __attribute__((always_inline)) void packed_block_pairs(const bf16_
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX 1
 #define AMX_ROWS 16
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 1 /* batches from this many rows take AMX */
-#endif
 /* Linux gives a process AMX's tile state only when it asks (oneDNN asks too); asked once. */
 static int amx_permitted(void) {
     static int permitted = -1;
@@ -363,7 +358,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
     const int pairs = PAIRS(dtype);
     const int64_t KP = pairs ? packed_pairs(K) : 0;
 #if defined(HAVE_AMX)
-    const int amx = pairs && B >= AMX_MIN_ROWS && amx_permitted();
+    const int amx = pairs && amx_permitted(); /* from one row: it costs what vdpbf16ps does there */
     const int64_t rows = amx ? round_up(B, AMX_ROWS) : B;
 #else
     const int amx = 0;
