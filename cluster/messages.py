@@ -1,6 +1,8 @@
 """The messages between tiers: gateway -> decode worker -> prefill worker and back.
 
-    GenerateRequest   router -> decode      the stream back is RequestOutput deltas
+    GenerateRequest   router -> decode      its deltas go back on the gateway's delta
+                                            channel (cluster/delta_channel.py); the call
+                                            returns how many it sent
     PrefillRequest    decode -> prefill     compute this prompt, send me these blocks
                       router -> prefill     (no decode worker) compute this one-token request
     PrefillResult     prefill -> decode     the first token and the transfer to receive
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.delta_channel import DeltaAddress
 from cluster.engine.engine import RequestOutput
 from cluster.engine.sampler import TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
@@ -25,6 +28,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    reply_to: DeltaAddress  # the gateway's DeltaReceiver: where the deltas go
     route: RouteHint = RouteHint()  # which decode replica
     prefill_route: RouteHint = RouteHint()  # which prefill replica the decode worker should call
     generated: tuple[int, ...] = ()  # output already streamed to the client: a migrated request resumes after it

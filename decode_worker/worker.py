@@ -1,7 +1,7 @@
 """Decode worker: reserves blocks, has a prefill worker compute the prompt, receives the
 KV it lacks, and streams tokens from its continuous batch.
 
-    router --generate(req)--> DecodeWorker
+    router --generate(req)--> DecodeWorker    (deltas: the gateway's delta channel)
         1. engine: reserve blocks (its own prefix cache covers what it can)
         2. prefill.prefill(...)            -> first token, transfer id   (Ray call;
                                               if the prefill worker fails: policy)
@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
+from cluster.delta_channel import DeltaSender
 from cluster.engine.engine import RequestOutput
 from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError, is_worker_fault
 from cluster.kv.transport import KVTransferError
@@ -49,20 +50,26 @@ class DecodeWorker(EngineWorker):
         self.policy = transport.failure_policy
         self.prefill = prefill_handle
         self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix="kv-recv")
+        self.deltas = DeltaSender()
         # Faults survived: transfers that failed (recomputed here), prefill calls that failed
         # (retried or computed here). The transport counts its own transfers.
         self._counts = {"recomputed": 0, "prefill_faults": 0, "computed_here": 0}
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        first = True
+    async def generate(self, req: GenerateRequest) -> int:
+        """Run the request, its deltas going to the gateway's delta channel at
+        `req.reply_to` (with every other delta of the same step for that gateway); returns
+        how many it sent. Cancelling the call aborts the request."""
+        channel = self.deltas.connection(req.reply_to)
+        sent = 0
         try:
             async for out in self._generate(req):
-                if first:
+                channel.send(out)  # DeltaChannelError: the gateway is gone; the request aborts
+                if sent == 0:
                     self.publish_soon()  # the prompt's blocks are cached now
-                first = False
-                yield out
+                sent += 1
         finally:
             self.publish_soon()  # its output's blocks too (or all freed)
+        return sent
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.colocated:
@@ -177,7 +184,8 @@ class DecodeWorker(EngineWorker):
             return False
 
     def tier_stats(self) -> dict:
-        return dict(self._counts)
+        return {**self._counts, "delta_channel": dict(self.deltas.counts)}
 
     def stop_tier(self) -> None:
         self._receivers.shutdown(wait=False, cancel_futures=True)
+        self.deltas.close()

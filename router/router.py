@@ -4,10 +4,12 @@
 
 It validates and tokenizes at the edge (bad input raises InvalidRequestError before any
 worker is involved), places the request on a (prefill, decode) pair by the routing
-policy (router/placement.py), streams its deltas from the decode worker (which calls
-the chosen prefill worker; a one-token request goes to the prefill worker alone), and
-observes each stream's latency. A stream its consumer abandons is cancelled, which
-aborts the request on every tier. A worker that fails a request mid-stream (dies, errs,
+policy (router/placement.py), calls the decode worker (which calls the chosen prefill
+worker; a one-token request goes to the prefill worker alone) and streams the deltas
+that worker sends to this gateway's delta channel (cluster/delta_channel.py: one
+message per engine step for all of this gateway's requests there, while the Ray call
+carries cancellation, faults and the end), and observes each stream's latency. A stream
+its consumer abandons cancels its call, which aborts the request on every tier. A worker that fails a request mid-stream (dies, errs,
 stalls) does not end it: the request is re-issued elsewhere after the tokens already
 streamed (migration), and the client sees one unbroken stream.
 """
@@ -20,10 +22,12 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 
+import ray.util
 from ray import serve
 from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig, RoutingConfig
+from cluster.delta_channel import DeltaReceiver
 from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.sampling_params import SamplingParams
@@ -55,6 +59,7 @@ class Router:
         self.metrics = metrics or GatewayMetrics(replica=uuid.uuid4().hex[:8])
         self.routing = routing
         self.placer = Placer(engine_config, routing, redis_url, colocated=prefill_handle is None, metrics=self.metrics)
+        self.deltas = DeltaReceiver(ray.util.get_node_ip_address())  # decode workers send deltas here
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:6]
 
@@ -112,13 +117,16 @@ class Router:
         resume = tuple(generated)
         if one_token:
             prefill = PrefillRequest(request_id, ids, params, None, None, 0, 0, route=placement.prefill, generated=resume)
-            stream = self.prefill.prefill.remote(prefill)
-            outputs = _last_output(stream)
+            call = self.prefill.prefill.remote(prefill)
+            outputs = _last_output(call)
         else:
             request = GenerateRequest(
-                request_id, ids, params, route=placement.decode, prefill_route=placement.prefill, generated=resume
+                request_id, ids, params, await self.deltas.start(), route=placement.decode, prefill_route=placement.prefill,
+                generated=resume,
             )
-            stream = outputs = self.decode.options(stream=True).generate.remote(request)
+            deltas = self.deltas.subscribe(request_id)  # before the call: no delta can come first
+            call = self.decode.generate.remote(request)
+            outputs = self._delivered(request_id, call, deltas)
         finished = streaming = False
         try:
             while not finished:
@@ -139,8 +147,33 @@ class Router:
             raise
         finally:
             if not finished:
-                stream.cancel()  # abandoned or failed: abort on every tier
+                call.cancel()  # abandoned or failed: abort on every tier
+            await outputs.aclose()
             self.placer.finished(placement)
+
+    async def _delivered(self, request_id: str, call, deltas: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The deltas of the decode worker's `call` as its delta channel delivers them, up
+        to the finished one. The call's failure (a worker fault) raises here; once it has
+        returned, the deltas it sent but that have not arrived get a stall timeout more."""
+        ended = asyncio.ensure_future(call)
+        ended.add_done_callback(lambda _: deltas.put_nowait(_CALL_ENDED))
+        received, sent = 0, None
+        try:
+            while True:
+                async with asyncio.timeout(self.routing.stall_timeout_s if sent is not None else None):
+                    item = await deltas.get()
+                if item is _CALL_ENDED:
+                    sent = ended.result()  # raises the worker's failure
+                    if received >= sent:
+                        raise EngineDeadError(f"the stream of {request_id} ended before its request finished")
+                    continue
+                received += 1
+                yield item
+        except TimeoutError:
+            raise StalledError(f"{sent - received} deltas of {request_id} never arrived") from None
+        finally:
+            self.deltas.unsubscribe(request_id)
+            ended.add_done_callback(_retrieve)  # a cancelled or late failure is not an error here
 
     def live_workers(self) -> dict[str, list[str]]:
         """{tier: worker ids} of the replicas Serve routes to now, as placement sees them."""
@@ -180,6 +213,14 @@ def _migration_reason(e: BaseException) -> str:
     if isinstance(e, RayActorError):
         return "worker_died"
     return "worker_error"
+
+
+_CALL_ENDED = object()  # put on a request's delta queue when its decode call returns or fails
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _last_output(call) -> AsyncIterator[RequestOutput]:

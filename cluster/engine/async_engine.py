@@ -193,10 +193,21 @@ class AsyncEngine:
                     self.dead = e
                 self._fail_all(e)
                 continue
-            for out in outputs:
-                sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
-                if sink is not None:
-                    sink.put(out)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their callers: one wake-up per caller's event loop
+        for the whole step, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that caller's loop is closed: nobody is listening
+                pass
 
     def _idle_tick(self) -> None:
         try:
@@ -253,3 +264,8 @@ class AsyncEngine:
             self.engine.abort(request_id)
             sink.put(error)
         self._sinks.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for deltas, out in items:
+        deltas.put_nowait(out)

@@ -98,10 +98,11 @@ def counter(live, name: str) -> float:
 def test_streams_go_on_when_their_decode_replica_is_killed(live, client, reference):
     live.redeploy(decodes=2)
     prompts = [f"Request {i}: tell me about the fox number {i} and its friends" for i in range(8)]
-    expected = reference(prompts)
+    long = 2 * MAX_TOKENS  # the tiny model streams fast: long enough to be running still when the stats come back
+    expected = reference(prompts, long)
     before = counter(live, "pdserve_request_migrations_total")
 
-    streams = Streams(client, prompts)
+    streams = Streams(client, prompts, long)
     assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
     victim = max(worker_stats(live, "decode"), key=lambda s: s["running"])
     assert victim["running"] > 0
