@@ -10,6 +10,7 @@ from pathlib import Path
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
+INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
 GGUF_SUFFIX = ".gguf"
 
 
@@ -214,6 +215,9 @@ class ClusterConfig:
     colocated: bool = False  # one engine per replica doing both phases (decode tier only)
     http_port: int = 8000
     grpc_port: int = 9000
+    # How clients reach the gateways (cluster/ingress.py): a local Ray's setting; a Ray
+    # cluster's own is set where it starts (deploy/cluster.yaml).
+    ingress: str = "auto"
     redis_url: str | None = None
     gateway: GatewayConfig = GatewayConfig()
     routing: RoutingConfig = RoutingConfig()
@@ -221,6 +225,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.engine.tensor_parallel_size != 1:  # it would be silently overridden by the tiers'
             raise ValueError("set tensor_parallel_size per tier (prefill, decode), not on the engine")
+        if self.ingress not in INGRESS_MODES:
+            raise ValueError(f"ingress must be one of {INGRESS_MODES}, got {self.ingress!r}")
 
     def engine_for(self, tier: TierConfig) -> EngineConfig:
         """The engine config of one tier's replicas: its threads and its TP layout."""

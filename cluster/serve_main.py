@@ -15,6 +15,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from cluster import ingress
 from cluster.app import build_app, grpc_options
 from cluster.config import ClusterConfig, from_dict
 from cluster.model.builtin import model_or_builtin
@@ -75,6 +76,14 @@ def cpus_requested(config) -> float:
     return sum(t.num_cpus * t.tensor_parallel_size * n for t, n in tiers)
 
 
+def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True) -> str:
+    """Start a local Ray whose Serve reaches its gateways by `ingress_mode`
+    (cluster/ingress.py); returns the resolved mode, "direct" or "proxy"."""
+    with ingress.settings(ingress_mode) as mode:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+    return mode
+
+
 def run_serve(args) -> int:
     config = config_from_args(args)
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -96,8 +105,11 @@ def run_serve(args) -> int:
     try:
         # A local Ray gets enough logical CPUs for every replica's reservation; the real
         # use of the cores is bounded by each replica's torch threads.
-        local_cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_requested(config)))
-        ray.init(address=address, num_cpus=local_cpus, include_dashboard=False)
+        if address:
+            ray.init(address=address, include_dashboard=False)
+            ingress_mode = "the cluster's own (deploy/cluster.yaml)"
+        else:
+            ingress_mode = start_local_ray(max(os.cpu_count() or 1, math.ceil(cpus_requested(config))), config.ingress)
         # After ray.init: Ray's core installs a fatal-signal handler for SIGTERM that would
         # abort the process after ours ran; replacing it keeps SIGTERM a clean, drained stop.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -106,7 +118,8 @@ def run_serve(args) -> int:
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
         print(f"pdserve is up: {tiers} replicas serving {config.engine.model_id} ({config.engine.model}).", file=sys.stderr)
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
-        print(f"  auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.", file=sys.stderr)
+        print(f"  ingress: {ingress_mode}; auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.",
+              file=sys.stderr)
         try:
             while not stop.wait(1.0):
                 pass

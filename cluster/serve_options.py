@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from cluster.config import DTYPES, FAILURE_POLICIES, PLACEMENT_STRATEGIES, ROUTING_POLICIES, ClusterConfig
+from cluster.config import DTYPES, FAILURE_POLICIES, INGRESS_MODES, PLACEMENT_STRATEGIES, ROUTING_POLICIES, ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ SERVE_FLAGS = (
     Flag("--colocated", ("colocated",), "one engine per replica doing both phases (no prefill tier)"),
     Flag("--http-port", ("http_port",), "OpenAI HTTP API port"),
     Flag("--grpc-port", ("grpc_port",), "gRPC API port"),
+    Flag("--ingress", ("ingress",), "how clients reach the gateways on a local Ray: direct (HAProxy in front of the "
+         "gateway replicas' own HTTP and gRPC servers), proxy (Serve's proxy actors), auto (direct where Serve ships "
+         "HAProxy)", INGRESS_MODES),
     Flag("--redis-url", ("redis_url",), "prefix index and rate limits (default: a private redis-server on a free port)"),
     Flag("--routing", ("routing.policy",), "how the gateway places requests on workers (kv_aware: the Redis prefix index)",
          ROUTING_POLICIES),

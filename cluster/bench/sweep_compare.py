@@ -31,9 +31,9 @@ from ray import serve
 from cluster.app import build_app
 from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
-from cluster.config import CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
+from cluster.config import INGRESS_MODES, CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
 from cluster.redis_server import PrivateRedis, free_port
-from cluster.serve_main import APP_NAME
+from cluster.serve_main import APP_NAME, start_local_ray
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -92,7 +92,7 @@ def parse_target(spec: str):
 def local_ray(args):
     """A local Ray with Serve's HTTP proxy on a free port and a private redis-server, for
     local targets (sets args._http_port and args._redis, which local_cluster reads)."""
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    start_local_ray(max(4, os.cpu_count() or 1), args.ingress, log_to_driver=False)
     args._redis = None
     try:
         args._http_port = free_port()
@@ -192,6 +192,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
 def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     """How local_cluster builds a local target's engines."""
     p.add_argument("--local-model", help="model directory or .gguf file for local targets")
+    p.add_argument("--ingress", choices=INGRESS_MODES, default="auto", help="how clients reach local targets' gateways")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)

@@ -1,4 +1,4 @@
-"""A real local cluster behind Serve's HTTP and gRPC proxies, for tests through real
+"""A real local cluster behind Serve's HTTP and gRPC ingress, for tests through real
 clients (the `openai` SDK, generated gRPC stubs, httpx, schemathesis).
 
 One cluster per module: local Ray, a private redis-server, 1 prefill + 1 decode worker
@@ -26,6 +26,7 @@ from cluster.config import (
     TransportConfig,
 )
 from cluster.redis_server import PrivateRedis, free_port
+from cluster.serve_main import start_local_ray
 
 API_KEY = "sk-test-0123456789"
 MODEL_NAME = "tiny-qwen2"
@@ -82,7 +83,7 @@ def engine_config(tiny_models):
 @pytest.fixture(scope="module")
 def live(engine_config):
     http_port, grpc_port = free_port(), free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    start_local_ray(8, "auto", log_to_driver=False)  # (direct ingress where Serve ships HAProxy, as `pdserve serve`)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(grpc_port))
     with PrivateRedis() as redis:
         cluster = LiveCluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", engine_config, redis)

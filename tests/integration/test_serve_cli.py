@@ -13,6 +13,7 @@ import time
 import openai
 import pytest
 
+from cluster.ingress import resolve
 from cluster.redis_server import free_port
 
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
@@ -51,16 +52,21 @@ def stream_text(client, out: dict) -> None:
         out["error"] = e
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal):
+@pytest.mark.parametrize(
+    ("stop_signal", "ingress"),
+    [(signal.SIGINT, "auto"), (signal.SIGTERM, "proxy")],
+    ids=["SIGINT-default-ingress", "SIGTERM-proxy-ingress"],
+)
+def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress):
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
-    0; a stream running at that moment drains: it ends with its finish reason."""
+    0; a stream running at that moment drains: it ends with its finish reason. Through
+    either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies."""
     http_port, grpc_port = free_port(), free_port()
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
     proc = subprocess.Popen(
         [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
-         "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file)],
+         "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file), "--ingress", ingress],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -69,6 +75,7 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal):
     )
     try:
         lines = read_until(proc, r"Ctrl-C stops it", timeout_s=240)
+        assert f"ingress: {resolve(ingress)};" in lines[-1]
         # Ready for the openai SDK, with the key from the file.
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="sk-from-file", max_retries=0)

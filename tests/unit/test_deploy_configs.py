@@ -22,6 +22,7 @@ with warnings.catch_warnings():  # ray.serve's pydantic models still use v1-styl
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema, ServeApplicationSchema, ServeDeploySchema
 
+from cluster import ingress
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, tier_options
 from cluster.config import ClusterConfig, from_dict
 
@@ -119,6 +120,15 @@ def test_cluster_yaml_has_a_gpu_free_head_and_one_gpu_node_type_per_tier(cluster
         assert not other & set(res), f"{node_type} must not carry the other tier's tag"
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in " ".join(cluster["head_start_ray_commands"])
     assert "$RAY_HEAD_IP" in " ".join(cluster["worker_start_ray_commands"])
+
+
+def test_every_ray_start_carries_the_direct_ingress_settings(cluster):
+    """Serve reads them once per process: each node's `ray start` must set what a local
+    `pdserve serve` sets (cluster/ingress.py), or that node's gateways sit behind proxies."""
+    settings = " ".join(f"{k}={v}" for k, v in ingress.environment("direct", local=False).items())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in cluster[key] if "ray start" in c]
+        assert f"{settings} ray start" in start, key
 
 
 def test_cluster_has_room_for_each_tiers_max_replicas(cluster, serve):

@@ -1,9 +1,13 @@
 """`pdserve serve`'s flags reach the config the engines are built from, with the config's
 own validation (cluster/serve_options.py)."""
 
+import os
+
 import pytest
 
+from cluster import ingress
 from cluster.cli import build_parser
+from cluster.config import ClusterConfig, from_dict
 from cluster.serve_main import config_from_args
 
 
@@ -23,3 +27,30 @@ def test_scheduler_flags_reach_every_tier_engine():
 def test_a_step_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="max_step_slowdown"):
         config_of("--max-step-slowdown", "0.5")
+
+
+def test_ingress_flag_and_its_ray_settings():
+    assert config_of().ingress == "auto"
+    assert config_of("--ingress", "proxy").ingress == "proxy"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        config_of("--ingress", "haproxy")
+    with pytest.raises(ValueError, match="ingress must be one of"):  # Serve YAML args go through the config too
+        from_dict(ClusterConfig, {"engine": {"model": "m"}, "ingress": "haproxy"})
+    proxy = ingress.environment("proxy", local=True)
+    assert proxy == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    direct = ingress.environment("direct", local=True)
+    assert direct["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == direct["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert float(direct["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) < 30  # not Serve's 30 s per stopping gateway
+    # A local Ray's HAProxy listens for metrics and stats on ports of its own, not the fixed defaults.
+    assert len({direct["RAY_SERVE_HAPROXY_METRICS_PORT"], direct["RAY_SERVE_HAPROXY_STATS_PORT"], "9101", "8404"}) == 4
+    assert "RAY_SERVE_HAPROXY_METRICS_PORT" not in ingress.environment("direct", local=False)
+
+
+def test_ingress_settings_last_only_while_a_local_ray_starts(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "was set")
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    with ingress.settings("direct") as mode:
+        assert mode == "direct"
+        assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "was set"
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ

