@@ -75,7 +75,11 @@ def configure(isa_flags: list[str] | tuple[str, ...]) -> None:
 
 
 def compile_flags() -> list[str]:
-    return ["-O3", "-march=native", *_isa_flags, "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+    # GCC's tuning for Intel's AVX-512 CPUs vectorizes loops 256 bits wide unless told
+    # otherwise (the SiLU of a 4096-token prefill: 4.2 -> 3.1 ms with 512); without
+    # AVX-512 (or with it forced off) the widest the ISA has is used, as before.
+    return ["-O3", "-march=native", "-mprefer-vector-width=512", *_isa_flags, "-fopenmp", "-fno-math-errno",
+            "-fno-trapping-math", "-shared", "-fPIC"]
 
 
 def _compiler() -> str | None:

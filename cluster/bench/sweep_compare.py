@@ -4,8 +4,9 @@ sweep    runs the workload at each --request-rates rate and reports SLO attainme
          the fraction of requests (failed ones count as misses) whose TTFT and TPOT are
          both within --slo-ttft-ms / --slo-tpot-ms. The answer is the highest rate with
          attainment >= --attainment (0.9): goodput as DistServe defines it.
-compare  runs the same workload against two targets, alternately for --rounds rounds,
-         and reports B/A ratios of the medians over rounds. A target is a URL, or a
+compare  runs the same workload against two targets, alternately for --rounds rounds
+         (round r draws its prompts with --seed + r, the same for both), and reports B/A
+         ratios of the medians over rounds. A target is a URL, or a
          local configuration it starts itself on a local Ray:
              colocated[:ROUTING]      one engine per replica doing both phases
              <P>p<D>d[:ROUTING]       P prefill and D decode replicas, e.g. 1p1d, 2p1d:round_robin
@@ -147,6 +148,9 @@ def run_compare(args) -> int:
                 with (local_cluster(spec, args) if not spec.startswith("http") else nullcontext(spec)) as url:
                     run_args = copy.copy(args)
                     run_args.base_url = url
+                    # New prompts each round, the same for A and B: a target that lives across
+                    # rounds (a URL) must not find last round's prompts in its prefix cache.
+                    run_args.seed = args.seed + round_
                     if label == "A" and args.interference_only_b:
                         run_args.interference_rate = 0.0  # B's figures over A's: what the interference costs
                     run_args.model = None if not spec.startswith("http") else args.model
