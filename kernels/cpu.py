@@ -58,7 +58,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "pd_rotary_store_attend": (
         [_p, _p, _i64, _p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64,
          _f32, _i32], None),
-    "pd_decode_layers": (
+    "pd_step_layers": (
         [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _i32, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i32],
         None),
 }
@@ -285,7 +285,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _tables_and_lens(block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's block tables and context lengths as the C side reads them (int32)."""
+    """Rows' block tables and context lengths as the C side reads them (int32)."""
     return block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
 
 
@@ -306,7 +306,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def rotary_store_attend(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens,
                         scale: float) -> torch.Tensor:
-    """A decode step's attention from its projections in one call: `rotary`, `store_kv` and
+    """A step's attention from its projections in one call: `rotary`, `store_kv` and
     `paged_attention_decode` in turn, the same numbers. q: [B, Hq, D]; k, v: [B, Hk, D] (each
     may be a view into one qkv row); the caches are written in place; -> [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
@@ -324,8 +324,8 @@ def rotary_store_attend(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache
     return out
 
 
-class DecodeLayer(ctypes.Structure):
-    """One decoder layer's tensors for `decode_layers` (pd_layer in the C file): packed linear
+class StepLayer(ctypes.Structure):
+    """One decoder layer's tensors for `step_layers` (pd_layer in the C file): packed linear
     weights (PackedWeight.data), norm weights in the model's dtype, the layer's KV cache;
     qkv_bias, q_norm and k_norm may be None."""
 
@@ -344,14 +344,15 @@ class DecoderShape:
     scale: float  # attention's
 
 
-def decode_layers(h: torch.Tensor, layers: ctypes.Array, shape: DecoderShape, positions, cos_sin_cache, slot_mapping,
-                  block_tables, context_lens, kv_dtype: torch.dtype, block_size: int) -> torch.Tensor:
-    """Every decoder layer of a decode step in one call (pd_decode_layers): h [B, hidden] goes
-    through `layers` in turn and is updated in place; the layers' caches get the new K/V.
-    The step's metadata as `rotary_store_attend` takes it."""
+def step_layers(h: torch.Tensor, layers: ctypes.Array, shape: DecoderShape, positions, cos_sin_cache, slot_mapping,
+                block_tables, context_lens, kv_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+    """Every decoder layer of a step in one call (pd_step_layers): h [B, hidden] goes through
+    `layers` in turn and is updated in place; the layers' caches get the new K/V. Each row's
+    attention metadata as `rotary_store_attend` takes it: a decode token, or a prompt chunk's
+    token with its request's block table and the context up to itself."""
     positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
     tables, lens = _tables_and_lens(block_tables, context_lens)
-    library().pd_decode_layers(
+    library().pd_step_layers(
         h.data_ptr(), h.shape[0], layers, len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
         shape.intermediate, shape.eps, shape.scale, DTYPE_CODES[h.dtype], positions.data_ptr(), cos_sin_cache.data_ptr(),
         slots.data_ptr(), DTYPE_CODES[kv_dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(), block_size, _threads(),

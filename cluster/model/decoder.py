@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cluster.model import cpu_decode
+from cluster.model import cpu_step
 from cluster.model.attention import Attention, AttentionMetadata
 from cluster.model.embedding import VocabEmbedding
 from cluster.model.families import ModelArch
@@ -60,7 +60,7 @@ class DecoderBody(nn.Module):
 class CausalLM(nn.Module):
     """One tensor-parallel rank's part of the model (all of it when `group` has one rank)."""
 
-    cpu_decode_plan: cpu_decode.DecodePlan | None = None  # built by the first CPU decode step
+    cpu_step_plan: cpu_step.StepPlan | None = None  # built by the first CPU step in one C call
 
     def __init__(self, arch: ModelArch, max_positions: int, group: TensorParallelGroup = SINGLE):
         super().__init__()
@@ -95,8 +95,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if cpu_decode.applies(self, h, meta, kv_caches[0]):  # a CPU decode step: all layers in one C call
-            h = cpu_decode.decode_layers(self, h, positions, kv_caches, meta)
+        if cpu_step.applies(self, h, meta, kv_caches[0]):  # a CPU step of few rows: all layers in one C call
+            h = cpu_step.step_layers(self, h, positions, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
                 h = layer(h, positions, kv_cache, meta)

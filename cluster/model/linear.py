@@ -34,10 +34,13 @@ multiplies bf16 in AMX tiles of 16 rows (the same packed weight):
     fp32, packed                 16 / 21  21 / 22  25 / 25   37 / 30  60 / 41  107 / 65
     fp32 capped at AVX2, packed  18 / 25  21 / 31  25 / 37   34 / 44  52 / 58  89 / 89
 
-so the C kernel takes up to C_KERNEL_MAX_ROWS rows (AMX_KERNEL_MAX_ROWS in bf16 with AMX),
-oneDNN the rest; bf16 without native bf16 takes the C kernel at any row count (oneDNN
-cannot pack bf16 there, and F.linear emulates it 3x slower). A decode step whose rows the C
-kernel takes also runs all its layers in one C call (cluster/model/cpu_decode.py), which
+so the C kernel takes up to C_KERNEL_MAX_ROWS rows, oneDNN the rest. In bf16 with AMX it takes
+up to AMX_KERNEL_MAX_ROWS = 64: from 33 rows oneDNN's GEMM is a little faster per linear, but
+a step of up to 64 rows then runs in one C call, which saves more (a step of 16 decodes
+beside a 32-token prompt chunk, same machine: 39-42 ms in one call, 50-52 ms op by op).
+bf16 without native bf16 takes the C kernel at any row count (oneDNN cannot pack bf16 there,
+and F.linear emulates it 3x slower). A step whose rows the C
+kernel takes also runs all its layers in one C call (cluster/model/cpu_step.py), which
 saves more than oneDNN's lead at a few row counts (fp32 at 16 rows) costs. Each packed copy
 costs one more copy of the weight in memory.
 bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py):
@@ -55,7 +58,7 @@ from kernels import cpu
 
 PACKED_MAX_ROWS = 256
 C_KERNEL_MAX_ROWS = 16
-AMX_KERNEL_MAX_ROWS = 32
+AMX_KERNEL_MAX_ROWS = 64
 
 
 def c_kernel_max_rows(dtype: torch.dtype) -> int:

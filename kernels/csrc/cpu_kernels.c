@@ -374,17 +374,23 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
     } else if (prologue == LINEAR_PLAIN) {
         load_row(xc, x, B * K, dtype);
     } else {
-        float *row = malloc(K * sizeof(float)), *scratch = malloc(2 * K * sizeof(float)), *norm_wf = NULL;
+        float *norm_wf = NULL;
         if (prologue == LINEAR_RMS_NORM) {
             norm_wf = malloc(K * sizeof(float));
             load_row(norm_wf, norm_w, K, dtype);
         }
-        for (int64_t b = 0; b < B; b++) {
-            float *dst = pairs ? row : (float *)xc + b * K;
-            linear_input_row(dst, scratch, x, b, K, dtype, prologue, norm_wf, eps);
-            if (pairs) store_row((bf16_t *)xc + b * KP * 2, row, K, BF16); /* exact: row is already rounded */
+#pragma omp parallel num_threads(B >= PARALLEL_MIN_ROWS ? nthreads : 1)
+        {
+            float *row = malloc(K * sizeof(float)), *scratch = malloc(2 * K * sizeof(float));
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) {
+                float *dst = pairs ? row : (float *)xc + b * K;
+                linear_input_row(dst, scratch, x, b, K, dtype, prologue, norm_wf, eps);
+                if (pairs) store_row((bf16_t *)xc + b * KP * 2, row, K, BF16); /* exact: row is already rounded */
+            }
+            free(row), free(scratch);
         }
-        free(row), free(scratch), free(norm_wf);
+        free(norm_wf);
     }
 #pragma omp parallel num_threads(nthreads < blocks ? nthreads : (int)blocks)
     {
@@ -434,6 +440,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
             }
         }
     }
+#pragma omp parallel for schedule(static) num_threads(B >= PARALLEL_MIN_ROWS ? nthreads : 1)
     for (int64_t b = 0; b < B; b++) {
         float *row = yf + b * OP;
         if (bias)
@@ -537,7 +544,7 @@ void pd_store_kv(const void *key, int64_t k_stride, const void *value, int64_t v
     free(buf);
 }
 
-/* ---- decode attention over the paged KV cache (one query token per sequence) ---- */
+/* ---- attention over the paged KV cache: each row a query token with its own context ---- */
 
 /* One cache block's rows [n, piece] -> fp32 blk [n, piece]: KV heads [h0, h0 + piece / D). */
 static void load_block(float *blk, const void *cache, int dtype, int64_t first, int64_t n, int64_t row, int64_t h0,
@@ -572,136 +579,177 @@ static int64_t take_block(float *blk, const void *cache, int dtype, const int32_
     return n;
 }
 
-/* Attention of one sequence's query heads [h0 * G, h1 * G) (KV heads [h0, h1)) over its L
-   cached positions: qf [nq, D] pre-scaled fp32, acc [nq, D] out, scores [nq, L], blk
+/* Attention of R query rows of one sequence (a decode token, or consecutive tokens of a
+   prompt chunk: they share the block table, and row r sees the cache's first L[r]
+   positions), each with its query heads [h0 * G, h1 * G) (KV heads [h0, h1)): qf
+   [R, nq, D] pre-scaled fp32, acc [R, nq, D] out, scores [R, nq, max L] and blk
    [block_size, row] scratch. Exact softmax in fp32: all scores first, then the weights.
-   The cache is read a block at a time into blk (fp32, L1-resident), so the value sums
-   keep their accumulators in registers across the block's positions. */
+   The cache is read a block at a time into blk (fp32, L1-resident) once for all R rows,
+   so the value sums keep their accumulators in registers across the block's positions. */
 static void attend(float *acc, const float *qf, float *scores, float *blk, const void *k_cache, const void *v_cache,
-                   int kv_dtype, const int32_t *table, int64_t L, int64_t block_size, int64_t row, int64_t h0,
-                   int64_t h1, int64_t G, int64_t D) {
+                   int kv_dtype, const int32_t *table, const int32_t *L, int64_t R, int64_t block_size, int64_t row,
+                   int64_t h0, int64_t h1, int64_t G, int64_t D) {
     const int64_t nq = (h1 - h0) * G, piece = (h1 - h0) * D, DV = D & ~(int64_t)(VLEN - 1);
-    const int64_t block_bytes = block_size * row * (kv_dtype == BF16 ? 2 : 4);
-    for (int64_t b = 0, p0 = 0; p0 < L; b++, p0 += block_size) {
+    const int64_t block_bytes = block_size * row * (kv_dtype == BF16 ? 2 : 4), Lmax = L[R - 1];
+    for (int64_t b = 0, p0 = 0; p0 < Lmax; b++, p0 += block_size) {
         const char *next;
-        const int64_t n = take_block(blk, k_cache, kv_dtype, table, b, L, block_size, row, h0, D, piece, &next);
-        for (int64_t h = 0; h < h1 - h0; h++) {
-            for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
-                const float *qh = qf + hq * D;
-                prefetch_part(next, block_bytes, hq, nq);
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kh = blk + j * piece + h * D;
-                    vecf dot = {0};
-                    for (int64_t d = 0; d < DV; d += VLEN) dot += load_vec(qh + d, F32) * load_vec(kh + d, F32);
-                    float s = hsum(dot);
-                    for (int64_t d = DV; d < D; d++) s += qh[d] * kh[d];
-                    scores[hq * L + p0 + j] = s;
-                }
-            }
-        }
-    }
-    for (int64_t hq = 0; hq < nq; hq++) {
-        float *sh = scores + hq * L, m = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : m)
-        for (int64_t p = 0; p < L; p++) m = sh[p] > m ? sh[p] : m;
-        for (int64_t p = 0; p < L; p++) sh[p] = exp_nonpositive(sh[p] - m);
-        for (int64_t p = 0; p < L; p++) sum += sh[p];
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < L; p++) sh[p] *= inv;
-    }
-    memset(acc, 0, nq * D * sizeof(float));
-    for (int64_t b = 0, p0 = 0; p0 < L; b++, p0 += block_size) {
-        const char *next;
-        const int64_t n = take_block(blk, v_cache, kv_dtype, table, b, L, block_size, row, h0, D, piece, &next);
-        for (int64_t h = 0; h < h1 - h0; h++) {
-            for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
-                prefetch_part(next, block_bytes, hq, nq);
-                const float *w = scores + hq * L + p0, *vh = blk + h * D;
-                float *ah = acc + hq * D;
-                int64_t d = 0;
-                for (; d + 4 * VLEN <= D; d += 4 * VLEN) { /* four independent chains: FMA latency hidden */
-                    vecf a0 = load_vec(ah + d, F32), a1 = load_vec(ah + d + VLEN, F32);
-                    vecf a2 = load_vec(ah + d + 2 * VLEN, F32), a3 = load_vec(ah + d + 3 * VLEN, F32);
-                    for (int64_t j = 0; j < n; j++) {
-                        const float *v = vh + j * piece + d;
-                        a0 += w[j] * load_vec(v, F32), a1 += w[j] * load_vec(v + VLEN, F32);
-                        a2 += w[j] * load_vec(v + 2 * VLEN, F32), a3 += w[j] * load_vec(v + 3 * VLEN, F32);
+        const int64_t n = take_block(blk, k_cache, kv_dtype, table, b, Lmax, block_size, row, h0, D, piece, &next);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t nr = L[r] - p0 < n ? L[r] - p0 : n; /* the block's positions row r sees */
+            for (int64_t h = 0; h < h1 - h0; h++) {
+                for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
+                    const float *qh = qf + (r * nq + hq) * D;
+                    if (r == 0) prefetch_part(next, block_bytes, hq, nq);
+                    for (int64_t j = 0; j < nr; j++) {
+                        const float *kh = blk + j * piece + h * D;
+                        vecf dot = {0};
+                        for (int64_t d = 0; d < DV; d += VLEN) dot += load_vec(qh + d, F32) * load_vec(kh + d, F32);
+                        float s = hsum(dot);
+                        for (int64_t d = DV; d < D; d++) s += qh[d] * kh[d];
+                        scores[(r * nq + hq) * Lmax + p0 + j] = s;
                     }
-                    memcpy(ah + d, &a0, sizeof a0), memcpy(ah + d + VLEN, &a1, sizeof a1);
-                    memcpy(ah + d + 2 * VLEN, &a2, sizeof a2), memcpy(ah + d + 3 * VLEN, &a3, sizeof a3);
                 }
-                for (; d < DV; d += VLEN) {
-                    vecf a = load_vec(ah + d, F32);
-                    for (int64_t j = 0; j < n; j++) a += w[j] * load_vec(vh + j * piece + d, F32);
-                    memcpy(ah + d, &a, sizeof a);
-                }
-                for (int64_t d = DV; d < D; d++)
-                    for (int64_t j = 0; j < n; j++) ah[d] += w[j] * blk[j * piece + h * D + d];
             }
         }
     }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t hq = 0; hq < nq; hq++) {
+            float *sh = scores + (r * nq + hq) * Lmax, m = -INFINITY, sum = 0.f;
+            const int64_t Lr = L[r];
+#pragma omp simd reduction(max : m)
+            for (int64_t p = 0; p < Lr; p++) m = sh[p] > m ? sh[p] : m;
+            for (int64_t p = 0; p < Lr; p++) sh[p] = exp_nonpositive(sh[p] - m);
+            for (int64_t p = 0; p < Lr; p++) sum += sh[p];
+            const float inv = 1.f / sum;
+            for (int64_t p = 0; p < Lr; p++) sh[p] *= inv;
+        }
+    memset(acc, 0, R * nq * D * sizeof(float));
+    for (int64_t b = 0, p0 = 0; p0 < Lmax; b++, p0 += block_size) {
+        const char *next;
+        const int64_t n = take_block(blk, v_cache, kv_dtype, table, b, Lmax, block_size, row, h0, D, piece, &next);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t nr = L[r] - p0 < n ? L[r] - p0 : n;
+            for (int64_t h = 0; h < h1 - h0; h++) {
+                for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
+                    if (r == 0) prefetch_part(next, block_bytes, hq, nq);
+                    const float *w = scores + (r * nq + hq) * Lmax + p0, *vh = blk + h * D;
+                    float *ah = acc + (r * nq + hq) * D;
+                    int64_t d = 0;
+                    for (; d + 4 * VLEN <= D; d += 4 * VLEN) { /* four independent chains: FMA latency hidden */
+                        vecf a0 = load_vec(ah + d, F32), a1 = load_vec(ah + d + VLEN, F32);
+                        vecf a2 = load_vec(ah + d + 2 * VLEN, F32), a3 = load_vec(ah + d + 3 * VLEN, F32);
+                        for (int64_t j = 0; j < nr; j++) {
+                            const float *v = vh + j * piece + d;
+                            a0 += w[j] * load_vec(v, F32), a1 += w[j] * load_vec(v + VLEN, F32);
+                            a2 += w[j] * load_vec(v + 2 * VLEN, F32), a3 += w[j] * load_vec(v + 3 * VLEN, F32);
+                        }
+                        memcpy(ah + d, &a0, sizeof a0), memcpy(ah + d + VLEN, &a1, sizeof a1);
+                        memcpy(ah + d + 2 * VLEN, &a2, sizeof a2), memcpy(ah + d + 3 * VLEN, &a3, sizeof a3);
+                    }
+                    for (; d < DV; d += VLEN) {
+                        vecf a = load_vec(ah + d, F32);
+                        for (int64_t j = 0; j < nr; j++) a += w[j] * load_vec(vh + j * piece + d, F32);
+                        memcpy(ah + d, &a, sizeof a);
+                    }
+                    for (int64_t d = DV; d < D; d++)
+                        for (int64_t j = 0; j < nr; j++) ah[d] += w[j] * blk[j * piece + h * D + d];
+                }
+            }
+        }
+    }
+}
+
+/* Rows that share one attention work item: a run of consecutive rows whose context lengths
+   go up by one and whose block tables agree over the longer context (a prompt chunk's
+   tokens; a decode token is a run of one), at most RUN_MAX_ROWS of them. Returns the
+   run's length from row b. Merging rows of equal tables is exact whoever they belong to:
+   attention reads nothing but the query, the table and the length. */
+#define RUN_MAX_ROWS 32
+static int64_t run_length(const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t b, int64_t B,
+                          int64_t block_size) {
+    int64_t n = 1;
+    while (b + n < B && n < RUN_MAX_ROWS && lens[b + n] == lens[b + n - 1] + 1 && lens[b + n - 1] > 0 &&
+           memcmp(tables + (b + n - 1) * table_stride, tables + (b + n) * table_stride,
+                  (lens[b + n] + block_size - 1) / block_size * sizeof(int32_t)) == 0)
+        n++;
+    return n;
 }
 
 /* q: [B, Hq, D] with token stride q_stride (heads D apart); caches: [num_blocks, block_size,
    Hk, D] contiguous; block_tables: [B, table_stride] int32; context_lens: [B] int32; out:
    [B, Hq, D] contiguous (q's dtype). Query head h reads KV head h / (Hq / Hk); context_len 0
    gives zeros. With cos_sin (else NULL), q is rotated at positions as it is loaded.
-   A work item is one sequence with all its heads, so each cache slot's row (all KV heads,
-   contiguous) is read once and in order: the cache is cold in a real step (every layer's
-   weights passed through since), and whole rows stream better than per-head pieces. With
-   fewer sequences than threads, an item is one KV head's group, so no thread idles. */
-static void decode_attention(void *out, const void *q, int64_t q_stride, int q_dtype, const int64_t *positions,
+   A work item is one run of rows (run_length) with all its heads, so each cache slot's row
+   (all KV heads, contiguous) is read once and in order: the cache is cold in a real step
+   (every layer's weights passed through since), and whole rows stream better than
+   per-head pieces. With fewer runs than threads, or a run of many rows (a prompt chunk), an
+   item is one KV head's group of the run, so no thread idles. */
+static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dtype, const int64_t *positions,
                              const float *cos_sin, const void *k_cache, const void *v_cache, int kv_dtype,
                              const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, int64_t B,
                              int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int nthreads) {
-    const int64_t G = Hq / Hk, row = Hk * D, split = B < nthreads ? Hk : 1, items = B * split;
+    const int64_t G = Hq / Hk, row = Hk * D;
+    int64_t *run_start = malloc((B + 1) * sizeof(int64_t)), runs = 0, longest = 1;
+    for (int64_t b = 0; b < B; b += run_length(block_tables, table_stride, context_lens, b, B, block_size)) {
+        run_start[runs++] = b;
+    }
+    run_start[runs] = B;
+    for (int64_t i = 0; i < runs; i++) longest = run_start[i + 1] - run_start[i] > longest ? run_start[i + 1] - run_start[i] : longest;
+    const int64_t split = runs < nthreads || longest > 1 ? Hk : 1, items = runs * split;
 #pragma omp parallel num_threads(items < nthreads ? (int)(items > 0 ? items : 1) : nthreads)
     {
         int64_t cap = 0;
-        float *scores = NULL; /* [nq, L] */
-        float *qf = malloc(Hq * D * sizeof(float)), *acc = malloc(Hq * D * sizeof(float));
-        float *blk = malloc(block_size * row * sizeof(float)), *cs = malloc(D * sizeof(float));
+        float *scores = NULL; /* [R, nq, L] */
+        float *qf = malloc(longest * Hq * D * sizeof(float)), *acc = malloc(longest * Hq * D * sizeof(float));
+        float *blk = malloc(block_size * row * sizeof(float)), *cs = malloc(D * sizeof(float)), *rot = malloc(D * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
-            const int64_t b = item / split, h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
-            const int64_t L = context_lens[b], nq = (h1 - h0) * G;
+            const int64_t b0 = run_start[item / split], R = run_start[item / split + 1] - b0;
+            const int64_t h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
+            const int64_t L = context_lens[b0 + R - 1], nq = (h1 - h0) * G;
             if (L > 0) {
-                if (L * nq > cap) {
-                    cap = L * nq;
+                if (R * L * nq > cap) {
+                    cap = R * L * nq;
                     free(scores);
                     scores = malloc(cap * sizeof(float));
                 }
-                load_row(qf, at(q, b * q_stride + h0 * G * D, q_dtype), nq * D, q_dtype);
-                if (cos_sin) {
-                    rotary_coefficients(cs, cs + D / 2, cos_sin, positions[b], D, q_dtype);
-                    for (int64_t h = 0; h < nq; h++) {
-                        rotate_row(acc, qf + h * D, cs, cs + D / 2, D, q_dtype);
-                        memcpy(qf + h * D, acc, D * sizeof(float));
+                for (int64_t r = 0; r < R; r++) {
+                    float *qr = qf + r * nq * D;
+                    load_row(qr, at(q, (b0 + r) * q_stride + h0 * G * D, q_dtype), nq * D, q_dtype);
+                    if (cos_sin) {
+                        rotary_coefficients(cs, cs + D / 2, cos_sin, positions[b0 + r], D, q_dtype);
+                        for (int64_t h = 0; h < nq; h++) {
+                            rotate_row(rot, qr + h * D, cs, cs + D / 2, D, q_dtype);
+                            memcpy(qr + h * D, rot, D * sizeof(float));
+                        }
                     }
                 }
-                for (int64_t i = 0; i < nq * D; i++) qf[i] *= scale;
-                attend(acc, qf, scores, blk, k_cache, v_cache, kv_dtype, block_tables + b * table_stride, L, block_size,
-                       row, h0, h1, G, D);
+                for (int64_t i = 0; i < R * nq * D; i++) qf[i] *= scale;
+                attend(acc, qf, scores, blk, k_cache, v_cache, kv_dtype, block_tables + b0 * table_stride,
+                       context_lens + b0, R, block_size, row, h0, h1, G, D);
             } else {
-                memset(acc, 0, nq * D * sizeof(float));
+                memset(acc, 0, R * nq * D * sizeof(float));
             }
-            store_row(at(out, (b * Hq + h0 * G) * D, q_dtype), acc, nq * D, q_dtype);
+            for (int64_t r = 0; r < R; r++)
+                store_row(at(out, ((b0 + r) * Hq + h0 * G) * D, q_dtype), acc + r * nq * D, nq * D, q_dtype);
         }
-        free(scores), free(qf), free(acc), free(blk), free(cs);
+        free(scores), free(qf), free(acc), free(blk), free(cs), free(rot);
     }
+    free(run_start);
 }
 
 void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q_dtype, const void *k_cache,
                                const void *v_cache, int kv_dtype, const int32_t *block_tables, int64_t table_stride,
                                const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                                int64_t block_size, float scale, int nthreads) {
-    decode_attention(out, q, q_stride, q_dtype, NULL, NULL, k_cache, v_cache, kv_dtype, block_tables, table_stride,
+    paged_attention(out, q, q_stride, q_dtype, NULL, NULL, k_cache, v_cache, kv_dtype, block_tables, table_stride,
                      context_lens, B, Hq, Hk, D, block_size, scale, nthreads);
 }
 
-/* A decode step's attention from its projections, in one call: rotary on q and k, k and v
-   written to the cache at slots (slot < 0: not written), then attention as above. The same
-   numbers as pd_rotary, pd_store_kv and pd_paged_attention_decode in turn.
+/* A step's attention from its projections, in one call: rotary on q and k, k and v written
+   to the cache at slots (slot < 0: not written), then attention as above. The same numbers
+   as pd_rotary, pd_store_kv and pd_paged_attention_decode in turn. A row is a decode token
+   or a prompt chunk's token (its context_len counts the chunk's tokens up to itself).
    q: [B, Hq, D], k, v: [B, Hk, D], each with its token stride (heads D apart), all in dtype;
    positions, slots: [B] int64; cos_sin: fp32 [P, D]. The new rows are stored before any
    thread reads the cache: each sequence's context_len counts its new token. */
@@ -722,11 +770,11 @@ void pd_rotary_store_attend(void *out, const void *q, int64_t q_stride, const vo
         store_row(at(v_cache, slots[b] * row, kv_dtype), src, row, kv_dtype);
     }
     free(cs), free(src), free(res);
-    decode_attention(out, q, q_stride, dtype, positions, cos_sin, k_cache, v_cache, kv_dtype, block_tables, table_stride,
+    paged_attention(out, q, q_stride, dtype, positions, cos_sin, k_cache, v_cache, kv_dtype, block_tables, table_stride,
                      context_lens, B, Hq, Hk, D, block_size, scale, nthreads);
 }
 
-/* ---- a whole decode step's decoder layers, in one call ---- */
+/* ---- a whole step's decoder layers, in one call ---- */
 
 /* One decoder layer's tensors: packed linear weights (pd_pack_linear_weight's layout), norm
    weights [H] or [D] (the model's dtype), its KV cache. qkv_bias, q_norm and k_norm may be
@@ -751,16 +799,18 @@ static void norm_heads(void *x, int64_t row_stride, int64_t B, int64_t heads, in
     free(row), free(wf);
 }
 
-/* h: [B, H] (dtype), updated in place through every layer: for each,
+/* A CPU step's decoder layers, its rows decode tokens and prompt chunks' tokens alike (the
+   attention tells them apart by context_lens alone), h: [B, H] (dtype), updated in place
+   through every layer: for each,
      h = h + o_proj(attend(rotary(q), store(rotary(k), v))),  q|k|v = qkv(rms_norm(h))
      h = h + down(silu(gate) * up),                           gate|up = gate_up(rms_norm(h))
    with pd_linear's prologues and epilogues, pd_rotary_store_attend, and Qwen3's per-head
    norms of q and k between; every intermediate rounded to dtype as the per-op path rounds
    it. I: the MLP's intermediate size; the step's metadata as pd_rotary_store_attend's. */
-void pd_decode_layers(void *h, int64_t B, const pd_layer *layers, int64_t num_layers, int64_t H, int64_t Hq, int64_t Hk,
-                      int64_t D, int64_t I, float eps, float scale, int dtype, const int64_t *positions,
-                      const float *cos_sin, const int64_t *slots, int kv_dtype, const int32_t *block_tables,
-                      int64_t table_stride, const int32_t *context_lens, int64_t block_size, int nthreads) {
+void pd_step_layers(void *h, int64_t B, const pd_layer *layers, int64_t num_layers, int64_t H, int64_t Hq, int64_t Hk,
+                    int64_t D, int64_t I, float eps, float scale, int dtype, const int64_t *positions,
+                    const float *cos_sin, const int64_t *slots, int kv_dtype, const int32_t *block_tables,
+                    int64_t table_stride, const int32_t *context_lens, int64_t block_size, int nthreads) {
     const int64_t q_size = Hq * D, kv_size = Hk * D, QKV = q_size + 2 * kv_size, size = dtype == BF16 ? 2 : 4;
     char *qkv = malloc(B * QKV * size), *attn = malloc(B * q_size * size), *gate_up = malloc(B * 2 * I * size);
     for (int64_t l = 0; l < num_layers; l++) {

@@ -17,7 +17,12 @@ from cluster.model.builtin import builtin_model_path
 from kernels import cpu as cpu_kernels
 
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
-QUESTION = "What is the capital of France?"
+# Not a coin toss in bf16: the model's first token after "What is the capital of France?"
+# leads its runner-up by 0.12-0.25 nats, within bf16's rounding of the logits, so any
+# change in summation order may open the answer with "L'Étoile" instead; here the lead is
+# 1.4-1.5 nats on every CPU path (native, AMX off, AVX512-BF16 off, AVX2), op by op or in
+# one call.
+QUESTION = "What is the capital of France? Answer in one word."
 
 
 def run(*args, disable: str | None = None, **kw):

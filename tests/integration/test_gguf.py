@@ -86,7 +86,8 @@ def test_generate_cli_matches_transformers(smollm2):
 
 
 def test_chat_template_comes_from_the_file():
-    r = subprocess.run([*PDSERVE, "generate", "--chat", "What is the capital of France?", "--max-tokens", "12"],
+    # (the one-word form: the plain question's first token is a near-tie in bf16, see test_cpu_paths.QUESTION)
+    r = subprocess.run([*PDSERVE, "generate", "--chat", "What is the capital of France? Answer in one word.", "--max-tokens", "12"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout

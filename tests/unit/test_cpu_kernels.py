@@ -177,6 +177,29 @@ def test_paged_attention_matches_naive(dtype, num_q_heads, num_kv_heads, head_di
     torch.testing.assert_close(out[:3].double(), want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (4, 1)])
+def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads, num_kv_heads):
+    """A step's rows as the one-call step gives them: decode tokens, and prompt chunks whose
+    tokens each carry their request's table and the context up to themselves. The kernel
+    computes a chunk's tokens together (runs of equal tables and consecutive lengths, at
+    most RUN_MAX_ROWS = 32 rows each: the 45-token chunk is two runs)."""
+    head_dim, block_size = 64, 16
+    setup = _paged_setup([70, 45, 120, 9], num_q_heads, num_kv_heads, head_dim, block_size, dtype, "nan_blocks")
+    _, k_cache, v_cache, tables, _ = setup
+    # rows: a decode of sequence 2; sequence 0's chunk of positions 60..69 (a cached prefix
+    # before it); sequence 1's whole prompt of 45 as one chunk; a decode of sequence 3, whose
+    # length follows the chunk's last by one: a run only where tables agree.
+    rows = [(2, 120)] + [(0, n) for n in range(61, 71)] + [(1, n) for n in range(1, 46)] + [(3, 9)]
+    row_tables = torch.stack([tables[seq] for seq, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), num_q_heads, head_dim).to(dtype)
+    out = cpu.paged_attention_decode(q, k_cache, v_cache, row_tables, lens, head_dim**-0.5)
+    assert not out.isnan().any()
+    want = _naive_decode_attention(q, k_cache, v_cache, row_tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), want, **_tol(dtype))
+
+
 def test_paged_attention_softmax_survives_large_scores():
     """Scores far apart (exp underflows to 0 for all but the largest) stay finite and exact."""
     q, k_cache, v_cache, tables, lens = _paged_setup([20], 2, 1, 64, 8, torch.float32, "nan_blocks")

@@ -1,18 +1,19 @@
-"""The fused CPU decode step (cluster/model/cpu_decode.py) against the per-op path it replaces:
-first each fused C call against the ops it folds together, then whole decode steps of every
-tiny family. On every build of tests/unit/test_cpu_kernels.py's ISA_BUILDS.
+"""The one-call CPU step (cluster/model/cpu_step.py) against the per-op path it replaces:
+first each fused C call against the ops it folds together, then whole steps of every tiny
+family, decode-only and mixed (prompt chunks beside decodes). On every build of
+tests/unit/test_cpu_kernels.py's ISA_BUILDS.
 
 Exactness: the fused calls round every intermediate where the per-op path does, so they give
-the same bits; only silu_mul differs, by SiLU's exp (within an ulp before rounding)."""
+the same bits; only silu_mul differs, by SiLU's exp (within an ulp before rounding), and a
+prompt chunk's attention (exact fp32 here, torch's SDPA on the per-op path)."""
 
-import dataclasses
 
 import pytest
 import torch
 
-from cluster.model import cpu_decode
-from cluster.model.attention import AttentionMetadata
-from cluster.model.linear import C_KERNEL_MAX_ROWS
+from cluster.model import cpu_step
+from cluster.model.attention import AttentionMetadata, PrefillSeq
+from cluster.model.linear import c_kernel_max_rows
 from cluster.model.loader import load_model
 from kernels import cpu
 from kernels.silu_gate import silu_and_mul_reference
@@ -77,46 +78,84 @@ def test_rotary_store_attend_is_the_three_ops_in_turn(q_dtype, cache_dtype, num_
     assert torch.equal(got, want)
 
 
-def _decode_step(model, kv_caches, context_lens: list[int], block_size: int):
-    """A decode step of len(context_lens) sequences, each with its context (random K/V) in
-    its own blocks: inputs for CausalLM.forward."""
-    B, max_blocks = len(context_lens), max(-(-n // block_size) for n in context_lens)
-    tables = torch.arange(B * max_blocks, dtype=torch.int32).view(B, max_blocks).flip(0).contiguous()
-    positions = torch.tensor(context_lens) - 1
-    slots = torch.stack([tables[b, p // block_size].long() * block_size + p % block_size for b, p in enumerate(positions.tolist())])
-    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=B, decode_block_tables=tables,
-                             decode_context_lens=torch.tensor(context_lens, dtype=torch.int32), prefills=())
-    input_ids = torch.randint(0, model.arch.vocab_size, (B,))
-    return input_ids, positions, meta
+def _mixed_step(model, decode_lens: list[int], chunks: list[tuple[int, int]], block_size: int):
+    """A step of decodes (each with its context of len-1 cached tokens) and prompt chunks
+    ((cached tokens, new tokens) each), every sequence in its own blocks: inputs for
+    CausalLM.forward. Decodes come first, as the runner lays a step out."""
+    seqs = [(n - 1, 1) for n in decode_lens] + chunks
+    widths = [-(-(c + n) // block_size) for c, n in seqs]
+    ids = torch.randperm(sum(widths)).split(widths)  # blocks in shuffled order
+    positions, slots, prefills = [], [], []
+    for (cached, n), blocks in zip(seqs, ids):
+        pos = list(range(cached, cached + n))
+        if n > 1:
+            prefills.append(PrefillSeq(query_start=len(positions), query_len=n, context_len=cached + n, block_ids=blocks.long()))
+        positions += pos
+        slots += [int(blocks[p // block_size]) * block_size + p % block_size for p in pos]
+    D, max_blocks = len(decode_lens), max(widths)
+    tables = torch.zeros(D, max_blocks, dtype=torch.int32)
+    for b in range(D):
+        tables[b, : widths[b]] = ids[b]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=D, decode_block_tables=tables,
+                             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32), prefills=tuple(prefills))
+    input_ids = torch.randint(0, model.arch.vocab_size, (len(positions),))
+    return input_ids, torch.tensor(positions), meta, sum(widths)
+
+
+def _fused_and_per_op(model, step, torch_dtype, monkeypatch):
+    """The step run both ways on copies of one random cache: (fused output, per-op output,
+    fused caches, per-op caches)."""
+    input_ids, positions, meta, num_blocks = step
+    arch = model.arch
+    shape = (num_blocks, 16, model.shard.num_kv_heads, arch.head_dim)
+    kv_caches = [(torch.randn(shape).to(torch_dtype), torch.randn(shape).to(torch_dtype)) for _ in range(arch.num_layers)]
+    assert cpu_step.applies(model, model.model.embed_tokens(input_ids), meta, kv_caches[0])
+    per_op_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
+    fused = model(input_ids, positions, kv_caches, meta)
+    monkeypatch.setattr(cpu_step, "applies", lambda *args: False)
+    per_op = model(input_ids, positions, per_op_caches, meta)
+    return fused, per_op, kv_caches, per_op_caches
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])  # GQA, MQA, qkv bias, q/k norms
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_fused_decode_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch):
     model = load_model(tiny_models[family], dtype=dtype).model
-    arch, torch_dtype, block_size = model.arch, getattr(torch, dtype), 16
-    shape = (12, block_size, model.shard.num_kv_heads, arch.head_dim)
-    kv_caches = [(torch.randn(shape).to(torch_dtype), torch.randn(shape).to(torch_dtype)) for _ in range(arch.num_layers)]
-    input_ids, positions, meta = _decode_step(model, kv_caches, [5, 40, 17], block_size)
-    assert cpu_decode.applies(model, model.model.embed_tokens(input_ids), meta, kv_caches[0])
-
-    per_op_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
-    fused = model(input_ids, positions, kv_caches, meta)
-    monkeypatch.setattr(cpu_decode, "applies", lambda *args: False)
-    per_op = model(input_ids, positions, per_op_caches, meta)
+    torch_dtype = getattr(torch, dtype)
+    step = _mixed_step(model, [5, 40, 17], [], 16)
+    fused, per_op, kv_caches, per_op_caches = _fused_and_per_op(model, step, torch_dtype, monkeypatch)
     torch.testing.assert_close(fused, per_op, **_tol(torch_dtype))
     for (k, v), (k_ref, v_ref) in zip(kv_caches, per_op_caches):  # the same rows written, the rest untouched
         torch.testing.assert_close(k, k_ref, **_tol(torch_dtype))
         torch.testing.assert_close(v, v_ref, **_tol(torch_dtype))
 
 
-def test_steps_with_prefills_or_many_rows_keep_the_per_op_path(tiny_llama):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_fused_mixed_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch):
+    """Decodes beside a prompt chunk after a cached prefix and a whole short prompt: the
+    chunks' tokens attend causally, each up to itself, in the one call too."""
+    model = load_model(tiny_models[family], dtype=dtype).model
+    torch_dtype = getattr(torch, dtype)
+    rows = c_kernel_max_rows(torch_dtype)
+    chunks = [(21, rows // 2 - 3), (0, rows // 2 - 2)]  # with the 3 decodes below: one row short of the limit
+    step = _mixed_step(model, [5, 40, 17], chunks, 16)
+    fused, per_op, kv_caches, per_op_caches = _fused_and_per_op(model, step, torch_dtype, monkeypatch)
+    # The prompt rows' attention is exact fp32 here and torch's bf16 SDPA op by op: in bf16
+    # the hidden states (magnitude ~2) may differ by a couple of bf16 ulps (0.016 each).
+    tol = _tol(torch_dtype) if torch_dtype == torch.float32 else {"atol": 0.04, "rtol": 0.02}
+    torch.testing.assert_close(fused, per_op, **tol)
+    for (k, v), (k_ref, v_ref) in zip(kv_caches, per_op_caches):
+        torch.testing.assert_close(k, k_ref, **tol)
+        torch.testing.assert_close(v, v_ref, **tol)
+
+
+def test_steps_of_many_rows_or_tensor_parallel_keep_the_per_op_path(tiny_llama):
     model = load_model(tiny_llama, dtype="float32").model
     shape = (12, 16, model.shard.num_kv_heads, model.arch.head_dim)
     kv = (torch.zeros(shape), torch.zeros(shape))
-    input_ids, _, meta = _decode_step(model, [kv], [5, 9], 16)
+    input_ids, _, meta, _ = _mixed_step(model, [5, 9], [(0, 6)], 16)
     h = model.model.embed_tokens(input_ids)
-    assert cpu_decode.applies(model, h, meta, kv)
-    assert not cpu_decode.applies(model, h, dataclasses.replace(meta, num_decode_tokens=1), kv)  # one row is a prefill's
-    rows = C_KERNEL_MAX_ROWS + 1  # more than the C linear takes: oneDNN's linear, op by op
-    assert not cpu_decode.applies(model, torch.zeros(rows, h.shape[1]), dataclasses.replace(meta, num_decode_tokens=rows), kv)
+    assert cpu_step.applies(model, h, meta, kv)  # decodes and a prompt chunk: one call
+    rows = c_kernel_max_rows(torch.float32) + 1  # more than the C linear takes: oneDNN's linear, op by op
+    assert not cpu_step.applies(model, torch.zeros(rows, h.shape[1]), meta, kv)

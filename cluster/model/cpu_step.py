@@ -1,5 +1,5 @@
-"""A CPU decode step's decoder layers in one C call (kernels/cpu.py: decode_layers), for steps
-whose tokens are all decodes, as many as the C linear takes.
+"""A CPU step's decoder layers in one C call (kernels/cpu.py: step_layers), for steps of no
+more rows than the C linear takes: decode tokens, prompt chunks' tokens, or both.
 
 The same math as DecoderLayer.forward, with every op whose output only feeds the next op
 folded into that op:
@@ -10,12 +10,18 @@ folded into that op:
     gate|up = linear(rms_norm(h))
     h       = h + linear(silu(gate) * up)
 
-Each intermediate is rounded to the model's dtype where the per-op path rounds it, so both
-paths give the same bits but for SiLU's exp (tests/unit/test_cpu_decode.py checks it).
-Why: at decode batch sizes the ops are tiny, and on the per-op path each one's Python,
+Each intermediate is rounded to the model's dtype where the per-op path rounds it, so for
+decode tokens both paths give the same bits but for SiLU's exp (tests/unit/test_cpu_step.py
+checks it). A prompt chunk's token attends to its request's context up to itself: the C
+attention gets each row's own context length and its request's block table, and computes
+a chunk's tokens together (each cache block read once for all of them) in exact fp32,
+where the per-op path takes torch's SDPA, so prompt rows agree with it within rounding.
+Why: at these row counts the ops are tiny, and on the per-op path each one's Python,
 dispatch and ctypes cost (5-10 us, ~15 ops a layer) added up to about a third of a
-batch-1 step. The C side reads a table of each layer's tensors (`DecodePlan`), built on
-the first such step and again only when the kernels or the KV caches change.
+batch-1 step; a step with a prompt chunk beside its decodes paid it on top of torch's
+per-sequence prefill attention (a mixed step of 8 decodes and 32 prompt tokens: 49 ms op by
+op). The C side reads a table of each layer's tensors (`StepPlan`), built on the first
+such step and again only when the kernels or the KV caches change.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def applies(model, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
-    """Whether this step's layers can take `decode_layers`: decode tokens only, few enough
-    rows for the C linear, one tensor-parallel rank (the residual add sits inside o_proj and
-    down_proj, before any all-reduce could), and everything in dtypes the kernels take."""
-    if meta.num_decode_tokens != h.shape[0] or meta.prefills or model.group.is_parallel:
+    """Whether this step's layers can take `step_layers`: few enough rows for the C linear,
+    one tensor-parallel rank (the residual add sits inside o_proj and down_proj, before any
+    all-reduce could), and everything in dtypes the kernels take."""
+    if model.group.is_parallel:
         return False
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
@@ -44,7 +50,29 @@ def applies(model, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) 
             and cpu.usable(*kv_cache, attn.rotary.cos_sin_cache) and all(c.is_contiguous() for c in kv_cache))
 
 
-class DecodePlan:
+def row_attention(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's block table [T, max blocks] and context length [T]: a decode token's as
+    the step has them; a prompt chunk's token gets its request's table and the context up
+    to and including itself."""
+    if not meta.prefills:
+        return meta.decode_block_tables, meta.decode_context_lens
+    D, decode_tables = meta.num_decode_tokens, meta.decode_block_tables
+    rows = D + sum(seq.query_len for seq in meta.prefills)
+    width = max([decode_tables.shape[1] if D else 0] + [len(seq.block_ids) for seq in meta.prefills])
+    tables = torch.zeros(rows, width, dtype=torch.int32)
+    lens = torch.empty(rows, dtype=torch.int32)
+    if D:
+        tables[:D, : decode_tables.shape[1]] = decode_tables
+        lens[:D] = meta.decode_context_lens
+    for seq in meta.prefills:
+        chunk = slice(seq.query_start, seq.query_start + seq.query_len)
+        tables[chunk, : len(seq.block_ids)] = seq.block_ids.to(torch.int32)
+        first = seq.context_len - seq.query_len + 1
+        lens[chunk] = torch.arange(first, seq.context_len + 1, dtype=torch.int32)
+    return tables, lens
+
+
+class StepPlan:
     """The C table of a model's layers (packed weights, norm weights, KV caches) and the shape
     they share. Valid while the loaded kernels and the KV cache list stay the ones it was
     built for; pointers into tensors that the model and the engine own."""
@@ -55,7 +83,7 @@ class DecodePlan:
         self.library, self.kv_caches, self.dtype = cpu.library(), kv_caches, dtype
         self.shape = cpu.DecoderShape(arch.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                       layers[0].mlp.down_proj.in_features, arch.rms_norm_eps, attn0.scale)
-        self.table = (cpu.DecodeLayer * len(layers))()
+        self.table = (cpu.StepLayer * len(layers))()
         for entry, layer, (k_cache, v_cache) in zip(self.table, layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm, entry.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
@@ -74,13 +102,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def decode_layers(model, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                  meta: AttentionMetadata) -> torch.Tensor:
-    # h: [B, hidden], this step's own tensor (the embedding's output) -> the same tensor, updated in place
-    plan: DecodePlan | None = model.cpu_decode_plan
+def step_layers(model, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+    # h: [T, hidden], this step's own tensor (the embedding's output) -> the same tensor, updated in place
+    plan: StepPlan | None = model.cpu_step_plan
     if plan is None or not plan.fits(kv_caches, h.dtype):
-        plan = model.cpu_decode_plan = DecodePlan(model, kv_caches, h.dtype)
+        plan = model.cpu_step_plan = StepPlan(model, kv_caches, h.dtype)
     k_cache = kv_caches[0][0]
-    return cpu.decode_layers(h, plan.table, plan.shape, positions, model.model.layers[0].self_attn.rotary.cos_sin_cache,
-                             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, k_cache.dtype,
-                             k_cache.shape[1])
+    tables, lens = row_attention(meta)
+    return cpu.step_layers(h, plan.table, plan.shape, positions, model.model.layers[0].self_attn.rotary.cos_sin_cache,
+                           meta.slot_mapping, tables, lens, k_cache.dtype, k_cache.shape[1])
