@@ -107,6 +107,7 @@ class TransportConfig:
     shared_memory: bool = True  # between workers on one node, payloads skip the sockets (CPU caches)
     fail_transfer_ids: tuple[int, ...] = ()  # fault injection (tests): these transfers fail
     fail_every_nth: int = 0  # fault injection (tests): every nth transfer fails
+    fail_midway: bool = False  # fault injection (tests): ... at their second part, after the first went
 
     def __post_init__(self) -> None:
         if self.failure_policy not in FAILURE_POLICIES:

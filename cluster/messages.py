@@ -5,6 +5,8 @@
                                             returns how many it sent
     PrefillRequest    decode -> prefill     compute this prompt, send me these blocks
                       router -> prefill     (no decode worker) compute this one-token request
+    PrefillStarted    prefill -> decode     (streamed first, for a prompt of several chunks)
+                                            the transfer to receive: its first part is ready
     PrefillResult     prefill -> decode     the first token and the transfer to receive
                       prefill -> router     the finished one-token request
 
@@ -48,12 +50,19 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
-class PrefillResult:
+class PrefillStarted:
+    """The transfer a decode worker receives its prompt's KV by, sent as soon as its first
+    part is on its way (the rest follows as the prompt's chunks compute)."""
+
     request_id: str
     prefill_id: str
     session: str  # names the (prefill, decode) process groups the KV travels on
     transfer_id: int  # matches the decode's receive to this send (-1: nothing is sent)
     prefill_tp: int  # the prefill replica's ranks: which of them send which KV heads
-    first_token_id: int
-    first_logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class PrefillResult(PrefillStarted):
+    first_token_id: int = -1
+    first_logprob: TokenLogprob | None = None
     output: RequestOutput | None = None  # the whole request's last delta, when it ended here

@@ -18,7 +18,7 @@ from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.kv.prefix_index import IndexPublisher
-from cluster.kv.tp_transfer import recv_pieces, send_pieces
+from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
 from cluster.model.sharding import kv_routes
 from cluster.routing import replica_unique_id, worker_id
@@ -54,7 +54,7 @@ class EngineWorker:
                 # peer on this node that shared memory will do).
                 host=ray.util.get_node_ip_address(),
                 shared_memory=transport.shared_memory,
-                fault_injection=FaultInjection(frozenset(transport.fail_transfer_ids), transport.fail_every_nth),
+                fault_injection=FaultInjection.of(transport),
             )
             others = [a.open_transport.remote(self.tier, self.worker_id, transport) for a in self._rank_actors]
             self.rank_addresses = (self.transport.address, *ray.get(others))  # decode side: where each rank receives
@@ -63,18 +63,21 @@ class EngineWorker:
 
     # ---- KV hand-off, every rank at once (cluster/kv/tp_transfer.py) -------------------
 
-    def send_kv(self, decode_id: str, decode_addresses, session: str, block_ids: list[int], transfer_id: int) -> None:
-        """Send blocks to decode worker `decode_id` (as many ranks as addresses): each
-        rank of this replica sends its pieces. KVTransferError if any piece failed."""
+    def send_kv(self, decode_id: str, decode_addresses, session: str, part: Part, transfer_id: int, abandon: bool = False) -> None:
+        """Send a part of a transfer to decode worker `decode_id` (as many ranks as
+        addresses; `abandon`: end the transfer before it): each rank of this replica sends
+        its pieces. KVTransferError if any piece failed."""
         routes = kv_routes(self.num_kv_heads, self.shard.size, len(decode_addresses))
         self._on_every_rank(
             [r for r in routes if r.src == 0],
             lambda mine: send_pieces(
                 self.transport, self.kv_caches, self.shard.kv_head_start, mine, decode_id, decode_addresses, session,
-                block_ids, transfer_id,
+                part, transfer_id, abandon,
             ),
             [[r for r in routes if r.src == rank] for rank in range(1, self.shard.size)],
-            lambda actor, pieces: actor.send_pieces.remote(pieces, decode_id, decode_addresses, session, block_ids, transfer_id),
+            lambda actor, pieces: actor.send_pieces.remote(
+                pieces, decode_id, decode_addresses, session, part, transfer_id, abandon
+            ),
         )
 
     def recv_kv(self, prefill_id: str, prefill_tp: int, session: str, block_ids: list[int], transfer_id: int) -> None:

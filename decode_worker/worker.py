@@ -3,12 +3,14 @@ KV it lacks, and streams tokens from its continuous batch.
 
     router --generate(req)--> DecodeWorker    (deltas: the gateway's delta channel)
         1. engine: reserve blocks (its own prefix cache covers what it can)
-        2. prefill.prefill(...)            -> first token, transfer id   (Ray call;
+        2. prefill.prefill(...)            -> [the transfer once its first part goes,]
+                                              then the first token   (a streaming Ray call;
                                               if the prefill worker fails: policy)
         3. engine: accept the first token  -> its delta streams to the client at once
         4. transport: receive the blocks   (bulk, over the pair's process groups, every
-                                            rank its KV heads; runs from step 2 on, in a
-                                            receiver thread)
+                                            rank its KV heads, part by part as the prompt's
+                                            chunks compute; runs from step 2's first
+                                            message on, in a receiver thread)
         5. engine: commit (KV arrived, or recompute per policy) and stream deltas
 
 In colocated mode it runs both phases on its own engine (the baseline and reference).
@@ -22,13 +24,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from cluster.config import EngineConfig, TransportConfig
 from cluster.delta_channel import DeltaSender
 from cluster.engine.engine import RequestOutput
 from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError, is_worker_fault
 from cluster.kv.transport import KVTransferError
-from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult
+from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult, PrefillStarted
 from cluster.routing import RouteHint
 from cluster.worker import EngineWorker
 
@@ -38,6 +41,22 @@ RESERVE_TIMEOUT_S = 60.0
 RECEIVER_THREADS = 32  # receives wait on peers; a stalled one must not queue the others
 PREFILL_ATTEMPTS = 3  # kv_failure_policy=retry: prefill replicas asked before computing here
 PREFILL_RETRY_BACKOFF_S = 0.2
+
+
+@dataclass
+class _Receive:
+    """A request's KV receive: its thread's future once started (by the prefill's first
+    message), None until then."""
+
+    future: asyncio.Future | None = None
+
+    async def settle(self) -> None:
+        """Wait for the receive to end, however it ends; then there is none."""
+        if self.future is not None:
+            await asyncio.wait([self.future])
+            if not self.future.cancelled():
+                self.future.exception()  # retrieved: the failed attempt it belonged to is over
+            self.future = None
 
 
 class DecodeWorker(EngineWorker):
@@ -76,18 +95,18 @@ class DecodeWorker(EngineWorker):
             async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id, generated=req.generated):
                 yield out
             return
+        receive = _Receive()  # the thread receiving the KV into the reserved blocks, once started
         abort_on_exit = True
         try:
             # Inside the try: a cancellation while reserving still aborts (the inbox keeps
             # the reserve-then-abort order on the engine thread).
             _, block_ids, num_cached = await self._reserve(req)
-            result = await self._prefill(req, len(block_ids), num_cached)
+            result = await self._prefill(req, block_ids, num_cached, receive)
             if result is None:  # no prefill worker computed it: this one does, in the reserved blocks
                 abort_on_exit = False
                 async for out in self.engine.compute_here(req.request_id):
                     yield out
                 return
-            receiving = asyncio.get_running_loop().run_in_executor(self._receivers, self._receive, result, block_ids)
             try:
                 first = await self.engine.call(
                     lambda e: e.accept_first_token(req.request_id, result.first_token_id, result.first_logprob)
@@ -96,45 +115,63 @@ class DecodeWorker(EngineWorker):
                     raise EngineDeadError(f"request {req.request_id} stopped waiting for its KV")
                 yield first  # the client's first token, while the KV is still in flight
                 if not first.finished:
-                    kv_received = await asyncio.shield(receiving)
+                    kv_received = await asyncio.shield(receive.future)
             except BaseException:
                 # Cancelled, abandoned or failed while the receiving thread writes into the
                 # reserved blocks: free them only after it ends.
                 abort_on_exit = False
-                self._abort_after(receiving, req.request_id)
+                self._abort_after(receive.future, req.request_id)
                 raise
             abort_on_exit = False  # from here the engine owns the request (and its abort)
             if first.finished:  # its first token ended it: the blocks go once the receive is over
-                self._abort_after(receiving, req.request_id)
+                self._abort_after(receive.future, req.request_id)
                 return
             async for out in self.engine.commit_remote(req.request_id, kv_received):
                 yield out
         finally:
-            if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation
-                self.engine.abort(req.request_id)
+            if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation ...
+                if receive.future is not None:
+                    self._abort_after(receive.future, req.request_id)  # ... once nothing writes into it
+                else:
+                    self.engine.abort(req.request_id)
 
-    async def _prefill(self, req: GenerateRequest, num_blocks: int, num_cached: int) -> PrefillResult | None:
-        """The prefill worker's result (first token, transfer to receive). When the prefill
-        worker fails before it replies (it died, its engine stopped), by policy: `retry`
-        asks another prefill replica (PREFILL_ATTEMPTS in all), then computes here;
-        `recompute` computes here at once (None); `fail` raises."""
+    async def _prefill(self, req: GenerateRequest, block_ids: list[int], num_cached: int, receive: _Receive) -> PrefillResult | None:
+        """The prefill worker's result (first token, transfer to receive); the receive starts
+        at its first message (PrefillStarted for a prompt of several chunks: the KV comes
+        while the rest computes). When the prefill worker fails before it replies (it died,
+        its engine stopped), by policy: `retry` asks another prefill replica (PREFILL_ATTEMPTS
+        in all), then computes here; `recompute` computes here at once (None); `fail`
+        raises. Before another attempt, or this worker, writes into the reserved blocks,
+        the failed attempt's receive ends."""
         route = req.prefill_route
         attempts = PREFILL_ATTEMPTS if self.policy == "retry" else 1
         for attempt in range(1, attempts + 1):
-            try:
-                return await self.prefill.prefill.remote(
-                    PrefillRequest(
-                        request_id=f"{req.request_id}.p{attempt}" if attempt > 1 else req.request_id,
-                        prompt_token_ids=req.prompt_token_ids,
-                        params=req.params,
-                        decode_id=self.worker_id,
-                        decode_addresses=self.rank_addresses,
-                        num_cached_tokens=num_cached,
-                        num_blocks=num_blocks,
-                        route=route,
-                        generated=req.generated,
-                    )
+            stream = self.prefill.options(stream=True).prefill.remote(
+                PrefillRequest(
+                    request_id=f"{req.request_id}.p{attempt}" if attempt > 1 else req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    params=req.params,
+                    decode_id=self.worker_id,
+                    decode_addresses=self.rank_addresses,
+                    num_cached_tokens=num_cached,
+                    num_blocks=len(block_ids),
+                    route=route,
+                    generated=req.generated,
                 )
+            )
+            result = None
+            try:
+                async for message in stream:
+                    if receive.future is None:  # the first message names the transfer
+                        receive.future = asyncio.get_running_loop().run_in_executor(
+                            self._receivers, self._receive, message, block_ids
+                        )
+                    if isinstance(message, PrefillResult):
+                        result = message
+                        break
+                if result is None:
+                    raise EngineDeadError(f"the prefill of {req.request_id} ended without its first token")
+                return result
             except Exception as e:
                 if not is_worker_fault(e):
                     raise
@@ -142,9 +179,13 @@ class DecodeWorker(EngineWorker):
                     raise TransferFailedError(f"the prefill of {req.request_id} failed: {e}") from e
                 log.warning("prefill of %s failed (attempt %d of %d): %s", req.request_id, attempt, attempts, e)
                 self._counts["prefill_faults"] += 1
+                await receive.settle()
                 if attempt < attempts:
                     route = RouteHint()  # any live replica: Serve's router drops a dead one ...
                     await asyncio.sleep(PREFILL_RETRY_BACKOFF_S * attempt)  # ... once it has noticed
+            finally:
+                if result is None:
+                    stream.cancel()  # abandoned or failed: the prefill stops there too
         self._counts["computed_here"] += 1
         return None
 
@@ -171,7 +212,7 @@ class DecodeWorker(EngineWorker):
 
         receiving.add_done_callback(abort)
 
-    def _receive(self, result: PrefillResult, block_ids: list[int]) -> bool:
+    def _receive(self, result: PrefillStarted, block_ids: list[int]) -> bool:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
         try:
             self.recv_kv(result.prefill_id, result.prefill_tp, result.session, block_ids, result.transfer_id)

@@ -1,29 +1,33 @@
-"""Prefill worker: computes prompts (chunked, reusing its prefix cache), samples the
-first token, and pushes the KV blocks a decode worker lacks.
+"""Prefill worker: computes prompts (chunked, reusing its prefix cache), samples the first
+token, and pushes the KV blocks a decode worker lacks while the prompt computes.
 
-    decode --prefill(req)--> PrefillWorker
-                             1. engine: prompt with max_tokens=1, hold_kv  -> first token
-                             2. sender thread: every rank sends its KV heads of the
-                                blocks to the decode ranks that hold them (pair groups),
-                                then the held blocks are released (sent or failed)
-    decode <--PrefillResult--  (returned at once; the decode's receive meets the send)
+    decode --prefill(req)--> PrefillWorker                           (a streaming call)
+                             1. engine: prompt with max_tokens=1, hold_kv, stream_kv
+                             2. each chunk's blocks, once computed, go to a sender thread:
+                                every rank sends its KV heads of them to the decode ranks
+                                that hold them (pair groups), part after part
+    decode <--PrefillStarted-- (when the first part goes: a prompt of several chunks)
+    decode <--PrefillResult--  (the first token; the sender sends the last part, then
+                                the held blocks are released: sent or failed)
 
-The send never blocks the reply: the decode worker posts its receive when the reply
-arrives, and transfers are matched by transfer id, not by order.
+The decode worker posts its receive at the first message, and transfers are matched by
+transfer id, not by order: the transfer of a long prompt ends shortly after its last chunk.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
+import queue
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
 from cluster.errors import EngineDeadError
+from cluster.kv.tp_transfer import Part
 from cluster.kv.transport import KVTransferError
-from cluster.messages import PrefillRequest, PrefillResult
+from cluster.messages import PrefillRequest, PrefillResult, PrefillStarted
 from cluster.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -42,29 +46,37 @@ class PrefillWorker(EngineWorker):
         # transfers (each bounded by the timeout), not everyone else's.
         self._sender = ThreadPoolExecutor(max_workers=SENDER_THREADS, thread_name_prefix="kv-send")
 
-    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+    async def prefill(self, req: PrefillRequest) -> AsyncIterator[PrefillStarted | PrefillResult]:
+        """For a decode worker: PrefillStarted once the first part of the KV is on its way
+        (a prompt of several chunks), then PrefillResult with the first token. For a request
+        that ends with its next token (no decode worker): PrefillResult with its output."""
         if req.decode_id is None:
-            return await self._whole_request(req)
-        out = None
-        params = req.params.for_first_token(len(req.generated))
-        async for out in self.engine.generate(req.prompt_token_ids, params, req.request_id, hold_kv=True, generated=req.generated):  # noqa: B007
-            pass  # one delta: the first token
-        self.publish_soon()  # the prompt's blocks are cached now
-        blocks = out.held_block_ids
-        if blocks is None:  # it ended without holding its KV (aborted): there is nothing to send
-            raise EngineDeadError(f"the prefill of {req.request_id} ended without its KV ({out.finish_reason})")
-        # Tokens [num_cached_tokens, prompt end) live in the blocks after the decode's cached ones.
-        to_send = blocks[req.num_cached_tokens // self.block_size :][: req.num_blocks]
-        transfer_id = next(self._transfer_ids)
-        asyncio.get_running_loop().run_in_executor(self._sender, self._send_then_release, req, to_send, transfer_id)
-        return PrefillResult(
-            request_id=req.request_id,
-            prefill_id=self.worker_id,
-            session=self.session,
-            transfer_id=transfer_id,
-            prefill_tp=self.shard.size,
-            first_token_id=out.new_token_ids[0],
-            first_logprob=out.logprobs[0] if out.logprobs else None,
+            yield await self._whole_request(req)
+            return
+        transfer = PrefillStarted(req.request_id, self.worker_id, self.session, next(self._transfer_ids), self.shard.size)
+        send = _KVSend(self, req, transfer.transfer_id)
+        out, started = None, False
+        try:
+            params = req.params.for_first_token(len(req.generated))
+            stream = self.engine.generate(req.prompt_token_ids, params, req.request_id, hold_kv=True, generated=req.generated,
+                                          stream_kv=True)
+            async for out in stream:
+                if out.kv_progress is not None:
+                    if send.computed(*out.kv_progress) and not started:
+                        started = True
+                        yield transfer  # the decode worker receives from now on
+                    continue
+            self.publish_soon()  # the prompt's blocks are cached now
+            if out is None or out.held_block_ids is None:  # it ended without holding its KV (aborted): nothing to send
+                raise EngineDeadError(f"the prefill of {req.request_id} ended without its KV ({out and out.finish_reason})")
+            send.finish(out.held_block_ids)  # the last part
+        except BaseException:
+            send.abandon()  # (the engine freed the blocks with the request; the receiver fails at once)
+            raise
+        finally:
+            send.close()  # after the last part (or the abandon): the held blocks, if any, are released
+        yield PrefillResult(
+            **vars(transfer), first_token_id=out.new_token_ids[0], first_logprob=out.logprobs[0] if out.logprobs else None,
         )
 
     async def _whole_request(self, req: PrefillRequest) -> PrefillResult:
@@ -85,15 +97,89 @@ class PrefillWorker(EngineWorker):
             output=out,
         )
 
-    def _send_then_release(self, req: PrefillRequest, block_ids: list[int], transfer_id: int) -> None:
-        try:
-            self.send_kv(req.decode_id, req.decode_addresses, self.session, block_ids, transfer_id)
-        except KVTransferError as e:
-            log.warning("KV transfer %d of %s failed: %s", transfer_id, req.request_id, e)
-        except Exception:  # nobody awaits this thread: say what broke
-            log.exception("KV transfer %d of %s failed unexpectedly", transfer_id, req.request_id)
-        finally:
-            self.engine.abort(req.request_id)  # releases the held blocks, on the engine thread
-
     def stop_tier(self) -> None:
         self._sender.shutdown(wait=False, cancel_futures=True)
+
+
+_CLOSED = object()  # no more parts: release what the request holds, end the thread
+_ABANDONED = object()  # the transfer ends here: tell the receiver
+
+
+class _KVSend:
+    """One prompt's KV on its way to a decode worker, a part per computed chunk. The decode
+    worker wants the blocks after its own cached prefix: `total` of them, from the
+    request's block `skip` on. Full blocks go as their chunk completes; the last part,
+    with the prompt's last (partial) block, once the prompt is done. One sender thread sends
+    the parts in order, then releases the held blocks (engine.abort) whatever happened to
+    the sends: a part that failed ends the sending (the receiver has failed too, and the
+    decode worker recomputes or fails the request by its policy), never the prefill."""
+
+    def __init__(self, worker: PrefillWorker, req: PrefillRequest, transfer_id: int):
+        self.worker, self.req, self.transfer_id = worker, req, transfer_id
+        self.skip, self.total = req.num_cached_tokens // worker.block_size, req.num_blocks
+        self.queued = 0  # blocks handed to the thread so far (of `total`)
+        self.abandoned = False  # nothing more is queued
+        self.parts: queue.SimpleQueue = queue.SimpleQueue()
+        worker._sender.submit(self._run)
+
+    def computed(self, num_tokens: int, table: list[int]) -> bool:
+        """The prompt's KV now covers `num_tokens` tokens in blocks `table`: queue the newly
+        completed full blocks. True if a part was queued. Fewer tokens than before (the
+        request was preempted: its KV so far is gone) abandons the transfer."""
+        if self.abandoned:
+            return False
+        if num_tokens < (self.skip + self.queued) * self.worker.block_size:
+            self.abandon()
+            return False
+        end = min(num_tokens // self.worker.block_size - self.skip, self.total)
+        if end <= self.queued:
+            return False
+        self._queue(table, end)
+        return True
+
+    def finish(self, table: list[int]) -> None:
+        """The prompt is done, its blocks held: the rest of them."""
+        if not self.abandoned:
+            self._queue(table, self.total)
+
+    def close(self) -> None:
+        """Nothing more comes: once the queued parts are sent, release what the request
+        holds (after an abandon too: a preempted prompt still finishes and holds its
+        blocks) and end the thread. Called once, last."""
+        self.parts.put(_CLOSED)
+
+    def abandon(self) -> None:
+        if not self.abandoned:
+            self.abandoned = True
+            self.parts.put(_ABANDONED)
+
+    def _queue(self, table: list[int], end: int) -> None:
+        blocks = table[self.skip + self.queued : self.skip + end]
+        self.parts.put(Part(blocks, self.queued, self.total))
+        self.queued = end
+
+    def _run(self) -> None:
+        failed, sent = False, 0
+        while True:
+            item = self.parts.get()
+            if item is _CLOSED:
+                self.worker.engine.abort(self.req.request_id)  # releases held blocks, on the engine thread (else a no-op)
+                return
+            if item is _ABANDONED:
+                if not failed:  # the receiver still waits for the next part: it fails at once now
+                    self._send(Part((), sent, self.total), abandon=True)
+                failed = True
+            elif not failed:
+                failed = not self._send(item)
+                sent = item.end
+
+    def _send(self, part: Part, abandon: bool = False) -> bool:
+        req = self.req
+        try:
+            self.worker.send_kv(req.decode_id, req.decode_addresses, self.worker.session, part, self.transfer_id, abandon)
+            return True
+        except KVTransferError as e:
+            log.warning("KV transfer %d of %s failed: %s", self.transfer_id, req.request_id, e)
+        except Exception:  # nobody awaits this thread: say what broke
+            log.exception("KV transfer %d of %s failed unexpectedly", self.transfer_id, req.request_id)
+        return False

@@ -117,7 +117,7 @@ class Router:
         resume = tuple(generated)
         if one_token:
             prefill = PrefillRequest(request_id, ids, params, None, None, 0, 0, route=placement.prefill, generated=resume)
-            call = self.prefill.prefill.remote(prefill)
+            call = self.prefill.options(stream=True).prefill.remote(prefill)
             outputs = _last_output(call)
         else:
             request = GenerateRequest(
@@ -223,7 +223,7 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-async def _last_output(call) -> AsyncIterator[RequestOutput]:
-    """The finished output a prefill worker returns for a one-token request, as a stream."""
-    result = await call
-    yield result.output
+async def _last_output(stream) -> AsyncIterator[RequestOutput]:
+    """The finished output a prefill worker streams back for a one-token request."""
+    async for result in stream:
+        yield result.output

@@ -37,6 +37,7 @@ class _Add:
     params: SamplingParams
     hold_kv: bool
     generated: tuple[int, ...]
+    stream_kv: bool
     sink: _Sink
 
 
@@ -87,14 +88,16 @@ class AsyncEngine:
         request_id: str | None = None,
         hold_kv: bool = False,
         generated: Sequence[int] = (),
+        stream_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas until the request finishes. Bad input raises before any work."""
+        """Stream deltas until the request finishes (and, with stream_kv, its KV progress:
+        Engine.add_request). Bad input raises before any work."""
         self._check_alive()
         params = params or SamplingParams()
         ids = self.engine.inputs.process(prompt, params)  # in the caller: bad input costs no engine time
         request_id = request_id or f"async-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._post(_Add(request_id, ids, params, hold_kv, tuple(generated), sink))
+        self._post(_Add(request_id, ids, params, hold_kv, tuple(generated), stream_kv, sink))
         async for item in self._drain(request_id, sink):
             yield item
 
@@ -235,7 +238,9 @@ class AsyncEngine:
                 msg.sink.put(EngineDeadError(f"engine is dead: {self.dead}"))
             else:
                 try:
-                    self.engine.add_request(msg.prompt_token_ids, msg.params, msg.request_id, msg.hold_kv, msg.generated)
+                    self.engine.add_request(
+                        msg.prompt_token_ids, msg.params, msg.request_id, msg.hold_kv, msg.generated, msg.stream_kv
+                    )
                     self._sinks[msg.request_id] = msg.sink
                 except Exception as e:
                     msg.sink.put(e)

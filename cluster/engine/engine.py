@@ -26,7 +26,7 @@ from cluster.engine.request import Request, RequestStatus
 from cluster.engine.runner import ModelRunner, num_kv_blocks
 from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
 from cluster.engine.step_times import StepTimes
 from cluster.engine.tp_ranks import TensorParallelRanks, resolved
@@ -58,6 +58,10 @@ class RequestOutput:
     # Finished and hold_kv: the blocks that keep its KV until it is released (a prefill
     # worker sends them without another trip to the engine thread, a whole step later).
     held_block_ids: list[int] | None = None
+    # A stream_kv request's prompt progress, on an output of its own (no tokens) after each
+    # step that computed a chunk of it: (tokens whose KV is in its blocks, those blocks).
+    # (0, []) after a preemption: the KV reported so far is gone.
+    kv_progress: tuple[int, list[int]] | None = None
 
 
 @dataclass
@@ -82,6 +86,7 @@ class _OutputState:
     stops: StopChecker
     text: str = ""  # detokenized output (uncut)
     emitted: int = 0  # characters of `text` already sent
+    stream_kv: bool = False  # report its prompt's KV progress (RequestOutput.kv_progress)
 
 
 class Engine:
@@ -153,6 +158,7 @@ class Engine:
         request_id: str | None = None,
         hold_kv: bool = False,
         generated: Sequence[int] = (),
+        stream_kv: bool = False,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError before any work.
 
@@ -160,8 +166,11 @@ class Engine:
         until `release(request_id)`.
         generated: output tokens another worker already streamed to the client (a
         migrated request): it resumes after them, as if it had produced them itself.
+        stream_kv: report its prompt's KV as each chunk computes (RequestOutput.kv_progress),
+        so that a prefill worker sends it while the rest computes.
         """
         request = self._new_request(prompt, params, request_id, hold_kv, generated)
+        self._outputs[request.request_id].stream_kv = stream_kv
         self.scheduler.add_request(request)
         return request.request_id
 
@@ -283,7 +292,23 @@ class Engine:
         self.step_budget.observe(num_decode, sched.total_tokens - num_decode, seconds)
         self.step_times.observe(num_decode, sched.total_tokens - num_decode, seconds)
         updates = self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
-        return [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
+        outputs = [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
+        return outputs + self._kv_progress(sched)
+
+    def _kv_progress(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Progress outputs of the stream_kv requests this step computed a chunk of without
+        sampling (the sampling one's output holds its blocks), or preempted."""
+        progress = []
+        for request_id in [c.request_id for c in sched.chunks if not c.sample] + sched.preempted_request_ids:
+            state = self._outputs.get(request_id)
+            if state is not None and state.stream_kv:
+                r = state.request
+                computed = r.num_computed_tokens if r.status == RequestStatus.RUNNING else 0
+                progress.append(RequestOutput(
+                    request_id, [], "", False, None, r.num_prompt_tokens, len(r.output_token_ids),
+                    r.num_cached_prompt_tokens, kv_progress=(computed, self.block_table(request_id) if computed else []),
+                ))
+        return progress
 
     def _sample_input(self, request_id: str) -> SampleInput:
         r = self._outputs[request_id].request

@@ -71,14 +71,14 @@ class RankWorker:
             timeout_s=transport.timeout_s,
             host=ray.util.get_node_ip_address(),
             shared_memory=transport.shared_memory,
-            fault_injection=FaultInjection(frozenset(transport.fail_transfer_ids), transport.fail_every_nth),
+            fault_injection=FaultInjection.of(transport),
         )
         return self.transport.address
 
-    def send_pieces(self, pieces, decode_id, decode_addresses, session, block_ids, transfer_id) -> None:
+    def send_pieces(self, pieces, decode_id, decode_addresses, session, part, transfer_id, abandon=False) -> None:
         send_pieces(
             self.transport, self.runner.kv_caches, self.shard.kv_head_start, pieces, decode_id, decode_addresses, session,
-            block_ids, transfer_id,
+            part, transfer_id, abandon,
         )
 
     def recv_pieces(self, pieces, prefill_id, session, block_ids, transfer_id) -> None:

@@ -4,7 +4,8 @@ of d ranks, for any p and d the model's KV heads allow (cluster/model/sharding.p
     kv_routes(Hk, p, d) -> pieces (src rank, dst rank, KV heads [start, stop))
 
 Each piece is one ordinary transfer (cluster/kv/transport.py) between the two ranks'
-own transports, of a head slice of the same blocks: the source packs the piece's heads
+own transports, of a head slice of the same blocks (in one part or several, as the
+prompt computes: every rank sends each part of its pieces in turn): the source packs the piece's heads
 out of its cache shard, the destination writes them into its shard. Every rank moves
 its own pieces, all at once, so nothing is gathered through one rank. Block ids are the
 same on every rank of a replica (rank 0's block table), and the transfer id is the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from cluster.kv.transport import KVCaches, KVTransport, StoreAddress
 from cluster.model.sharding import HeadRoute
@@ -34,6 +36,21 @@ def head_view(kv_caches: KVCaches, kv_head_start: int, route: HeadRoute) -> KVCa
     return [(k[:, :, lo:hi], v[:, :, lo:hi]) for k, v in kv_caches]
 
 
+@dataclass(frozen=True)
+class Part:
+    """Which blocks of a transfer a send carries: `block_ids` (the sender's) are blocks
+    [first, first + len) of the `total` the decode side receives. A transfer goes in one
+    part or in several, in order (transport.py)."""
+
+    block_ids: Sequence[int]
+    first: int
+    total: int
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.block_ids)
+
+
 def send_pieces(
     transport: KVTransport,
     kv_caches: KVCaches,
@@ -42,15 +59,21 @@ def send_pieces(
     decode_id: str,
     decode_addresses: Sequence[StoreAddress],
     session: str,
-    block_ids: Sequence[int],
+    part: Part,
     transfer_id: int,
+    abandon: bool = False,
 ) -> None:
-    """Send this rank's pieces to their decode ranks; KVTransferError if any failed."""
+    """Send this rank's pieces of a part to their decode ranks (`abandon`: tell them instead
+    that the transfer ends before it); KVTransferError if any failed."""
 
     def send(route: HeadRoute) -> None:
         peer = rank_peer_id(decode_id, route.dst)
         transport.ensure_group(peer, decode_addresses[route.dst], session)
-        transport.send_blocks(peer, head_view(kv_caches, kv_head_start, route), block_ids, transfer_id)
+        caches = head_view(kv_caches, kv_head_start, route)
+        if abandon:
+            transport.abandon(peer, caches, transfer_id, part.first, part.total)
+        else:
+            transport.send_blocks(peer, caches, part.block_ids, transfer_id, part.first, part.total)
 
     _each(send, pieces)
 

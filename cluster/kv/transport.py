@@ -13,11 +13,19 @@ the rest of the code is the same.
     ensure_group(D, D.address, s)               ensure_group(P, D.address, s)
           \_____ rendezvous under "pdserve/kv/P/D/s"; both block until both joined ___/
     send_blocks(D, caches, src_ids, t)          recv_blocks(P, caches, dst_ids, t)
-      packed = pack_blocks(caches, src_ids)
-      header [magic, t, n, L, bs, Hk, D, dtype] --tag 2t-->  must equal the expected
-                                                             header, else KVTransferError
+      packed = pack_blocks(caches, src_ids)       (N = len(dst_ids) blocks in all)
+      header [magic, t, first, n, N, L, bs, Hk, D, dtype] --tag 2t-->  must equal the
+                                                             expected header, else
+                                                             KVTransferError
       packed [L, 2, n, bs, Hk, D] ---------------tag 2t+1-->  into a fresh buffer, then
-                                                             unpack_blocks(caches, dst_ids)
+                                                             unpack_blocks(caches,
+                                                             dst_ids[first:first + n])
+
+A transfer goes in one part (first 0, n = N) or in several, in order, as the prompt's
+KV is computed (a prefill chunk's blocks while the next chunk computes): each part is a
+header and its payload on the transfer's two tags, which deliver in order, and the
+receiver takes parts until it has all N blocks, each written into its blocks as it
+arrives.
 
 On one host (the decode's store host is the sender's own) with the cache on CPU, the
 payload skips the sockets: the sender packs straight into a shared-memory slot
@@ -33,10 +41,14 @@ Invariants and failure handling:
   are unique within a session (the prefill side numbers them).
 - Every blocking step (store connect, rendezvous, header, payload) waits at most
   `timeout_s`. A failure raises KVTransferError naming the peer and the transfer, and is
-  counted. The receiver writes into its cache only once the whole payload has arrived,
-  so a failed transfer leaves the destination blocks untouched.
-- A sender that cannot send (injected fault) sends a failure notice in place of the
-  header: the receiver fails that transfer at once and the group stays up.
+  counted. The receiver writes a part into its cache only once that part's payload has
+  arrived; a transfer that fails after some parts leaves those blocks written, which is
+  safe because they are the request's own reserved blocks, published to the prefix cache
+  only when the whole transfer arrived (Scheduler.commit_remote), recomputed or freed
+  otherwise.
+- A sender that cannot send (injected fault, or its prompt was aborted or preempted
+  midway) sends a failure notice in place of the next part's header (`abandon`): the
+  receiver fails that transfer at once and the group stays up.
 - A group is never reused after an I/O failure (on a timeout gloo closes every
   connection of the group). The failing side drops it (its peer's pending or next
   operation then fails with "connection closed") and the next transfer on the pair
@@ -76,7 +88,9 @@ def _tags(transfer_id: int) -> tuple[int, int]:
     """(header tag, payload tag): unique per transfer, so concurrent transfers of one pair
     match by id, not by the order the two sides post them in."""
     return 2 * transfer_id, 2 * transfer_id + 1
-_HEADER_FIELDS = ("magic", "transfer_id", "num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+_HEADER_FIELDS = ("magic", "transfer_id", "first", "num_blocks", "total", "num_layers", "block_size", "num_kv_heads", "head_dim",
+                  "dtype")
+_NUM_BLOCKS = _HEADER_FIELDS.index("num_blocks")  # the part's own count: the receiver reads it
 _CHECKED = len(_HEADER_FIELDS)  # then the slot's (pid, index, capacity): shared memory only
 
 
@@ -90,13 +104,23 @@ class _SenderFailed(Exception):
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Transfers the SENDER fails on purpose, before sending anything (a broken link)."""
+    """Transfers the SENDER fails on purpose (a broken link): before sending anything, or,
+    with `midway`, at their second part (after the first one went through)."""
 
     fail_transfer_ids: frozenset[int] = frozenset()
     fail_every_nth: int = 0  # 0: off; n: every n-th send_blocks call of this transport
+    midway: bool = False
 
-    def selects(self, transfer_id: int, attempt: int) -> bool:
-        """attempt: 1-based count of send_blocks calls on this transport."""
+    @classmethod
+    def of(cls, transport) -> FaultInjection:
+        """The faults a TransportConfig (cluster/config.py) asks for."""
+        return cls(frozenset(transport.fail_transfer_ids), transport.fail_every_nth, transport.fail_midway)
+
+    def selects(self, transfer_id: int, attempt: int, first: int = 0) -> bool:
+        """attempt: 1-based count of send_blocks calls on this transport; first: the part's
+        first block within its transfer."""
+        if self.midway and first == 0:
+            return False
         every = self.fail_every_nth
         return transfer_id in self.fail_transfer_ids or (every > 0 and attempt % every == 0)
 
@@ -184,11 +208,13 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _header(
-    transfer_id: int, n: int, geometry: CacheGeometry, magic: int = _MAGIC, slot: tuple[int, int, int] = (0, 0, 0)
+    transfer_id: int, first: int, n: int, total: int, geometry: CacheGeometry, magic: int = _MAGIC,
+    slot: tuple[int, int, int] = (0, 0, 0),
 ) -> torch.Tensor:
     g = geometry
-    values = [magic, transfer_id, n, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, _dtype_code(g.dtype), *slot]
-    return torch.tensor(values, dtype=torch.int64, device=g.device)  # header: [11]
+    values = [magic, transfer_id, first, n, total, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, _dtype_code(g.dtype),
+              *slot]
+    return torch.tensor(values, dtype=torch.int64, device=g.device)  # header: [13]
 
 
 def _header_mismatch(expected: torch.Tensor, got: torch.Tensor) -> str:
@@ -367,53 +393,85 @@ class KVTransport:
 
     # ---- transfers ------------------------------------------------------------------
 
-    def send_blocks(self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> None:
-        """Send blocks `block_ids` of `kv_caches` to decode worker `peer_id`; returns once
-        the peer has them all. KVTransferError on failure or timeout."""
+    def send_blocks(
+        self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int, first: int = 0,
+        total: int | None = None,
+    ) -> None:
+        """Send blocks `block_ids` of `kv_caches` to decode worker `peer_id`: blocks [first,
+        first + len) of transfer `transfer_id`, which has `total` blocks in all (default:
+        these are all of them); returns once the peer has them. The parts of one transfer go
+        in order. KVTransferError on failure or timeout."""
         self._require_role("prefill", "send_blocks")
         start = time.perf_counter()
         geometry = cache_geometry(kv_caches)
         _block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # ValueError before any I/O
+        total = first + len(block_ids) if total is None else total
+        if not 0 <= first <= first + len(block_ids) <= total:
+            raise ValueError(f"part [{first}, {first + len(block_ids)}) is not within a transfer of {total} blocks")
         pair = self._pair_for_transfer(peer_id, transfer_id)
         pg, failure, shared = None, None, False
         try:
             pg = self._live_group(pair)
-            if self._fault_selected(transfer_id):
+            if self._fault_selected(transfer_id, first):
                 # Tell the receiver at once instead of letting it wait out its timeout.
-                notice = _header(transfer_id, len(block_ids), geometry, _FAILED_MAGIC)
-                self._wait(pg.send([notice], DECODE_RANK, _tags(transfer_id)[0]), "failure notice send")
+                self._send_notice(pg, transfer_id, first, total, geometry)
                 self._count(transfers_failed=1)
                 failure = KVTransferError(f"{self.worker_id}: injected fault: transfer {transfer_id} with {peer_id!r} not sent")
             else:
                 shared = self._on_this_host(pair) and len(block_ids) > 0
-                shared = shared and self._send_shared(pg, kv_caches, block_ids, geometry, transfer_id)
+                shared = shared and self._send_shared(pg, kv_caches, block_ids, geometry, transfer_id, first, total)
                 if not shared:
-                    header = _header(transfer_id, len(block_ids), geometry)  # [11]
+                    header = _header(transfer_id, first, len(block_ids), total, geometry)  # [13]
                     self._send_once(pg, header, pack_blocks(kv_caches, block_ids), transfer_id)
         except Exception as e:
             failure = self._failed(pair, pg, transfer_id, "send", e)
         pg = None  # the last reference to a dropped group goes: gloo closes its sockets now
         if failure is not None:
             raise failure  # outside `except`: see _failed
+        last = first + len(block_ids) == total
         self._count(
-            transfers_ok=1, transfers_shared_memory=int(shared), bytes_sent=geometry.packed_nbytes(len(block_ids)),
-            seconds_sending=time.perf_counter() - start,
+            transfers_ok=int(last), transfers_shared_memory=int(shared and last),
+            bytes_sent=geometry.packed_nbytes(len(block_ids)), seconds_sending=time.perf_counter() - start,
         )
+
+    def abandon(self, peer_id: str, kv_caches: KVCaches, transfer_id: int, first: int, total: int) -> None:
+        """End transfer `transfer_id` before its blocks from `first` on (its prompt was
+        aborted or preempted): the receiver's wait for them fails at once. Best effort: a
+        group that is down already fails the receiver anyway."""
+        self._require_role("prefill", "abandon")
+        pair = self._pair_for_transfer(peer_id, transfer_id)
+        pg, failure = None, None
+        try:
+            pg = self._live_group(pair)
+            self._send_notice(pg, transfer_id, first, total, cache_geometry(kv_caches))
+        except Exception as e:
+            failure = self._failed(pair, pg, transfer_id, "abandon", e)
+        pg = None
+        self._count(transfers_failed=int(failure is None))  # (_failed counted the other case)
+
+    def _send_notice(self, pg, transfer_id: int, first: int, total: int, geometry: CacheGeometry) -> None:
+        notice = _header(transfer_id, first, 0, total, geometry, _FAILED_MAGIC)
+        self._wait(pg.send([notice], DECODE_RANK, _tags(transfer_id)[0]), "failure notice send")
 
     def recv_blocks(self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> None:
         """Receive transfer `transfer_id` from prefill worker `peer_id` into blocks
-        `block_ids` of `kv_caches`. KVTransferError on failure, timeout, or if the peer sent
-        a different transfer; the destination blocks are then left untouched."""
+        `block_ids` of `kv_caches`, in as many parts as the sender makes of it. KVTransferError
+        on failure, timeout, or if the peer sent a different transfer; the blocks of the parts
+        that arrived before it hold their KV, the others are untouched."""
         self._require_role("decode", "recv_blocks")
         start = time.perf_counter()
         geometry = cache_geometry(kv_caches)
         _block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # ValueError before any I/O
-        expected = _header(transfer_id, len(block_ids), geometry)  # [11]
         pair = self._pair_for_transfer(peer_id, transfer_id)
-        pg, failure, shared = None, None, False
+        pg, failure, shared = None, None, True
         try:
             pg = self._live_group(pair)
-            shared = self._recv_once(pg, expected, kv_caches, block_ids, transfer_id)
+            received = 0
+            while True:  # parts until every block is in (a transfer of no blocks is one empty part)
+                n, part_shared = self._recv_part(pg, transfer_id, received, kv_caches, block_ids, geometry)
+                received, shared = received + n, shared and part_shared
+                if received == len(block_ids):
+                    break
         except _SenderFailed as e:  # the group is fine; only this transfer failed
             self._count(transfers_failed=1)
             failure = KVTransferError(f"{self.worker_id}: transfer {transfer_id} from {peer_id!r} failed at the sender: {e}")
@@ -512,44 +570,47 @@ class KVTransport:
         if packed.numel():
             self._wait(pg.send([packed], DECODE_RANK, payload_tag), "payload send")
 
-    def _recv_once(
-        self, pg, expected: torch.Tensor, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int
-    ) -> bool:
-        """Receive header and payload and write the blocks, once all of it is here; the
-        header must equal `expected` (but for the path's magic and slot). True: it came
-        through shared memory."""
+    def _recv_part(
+        self, pg, transfer_id: int, first: int, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry
+    ) -> tuple[int, bool]:
+        """Receive the part that starts at block `first` and write its blocks; returns (its
+        blocks, whether it came through shared memory). Its header must be the expected one
+        (but for the path's magic, the slot and the part's size, which must fit)."""
         header_tag, payload_tag = _tags(transfer_id)
-        header = torch.empty_like(expected)  # [11]
+        total = len(block_ids)
+        header = torch.empty(len(_HEADER_FIELDS) + 3, dtype=torch.int64)  # [13]
         self._wait(pg.recv([header], PREFILL_RANK, header_tag), "header recv")
-        magic, slot = int(header[0]), tuple(header[_CHECKED:].tolist())
+        magic, n, slot = int(header[0]), int(header[_NUM_BLOCKS]), tuple(header[_CHECKED:].tolist())
         if magic == _FAILED_MAGIC:
-            raise _SenderFailed("the sender reported it could not send")
+            raise _SenderFailed(f"the sender reported it could not send (at block {first} of {total})")
+        expected = _header(transfer_id, first, n, total, geometry)
         header[0] = _MAGIC if magic == _SHM_MAGIC else magic
-        if not torch.equal(header[:_CHECKED], expected[:_CHECKED]):
-            raise KVTransferError(f"unexpected transfer header: {_header_mismatch(expected, header)}")
-        geometry, n = cache_geometry(kv_caches), len(block_ids)
-        shape = geometry.packed_shape(n)
+        if not torch.equal(header[:_CHECKED], expected[:_CHECKED]) or not (0 < n <= total - first or n == total == 0):
+            raise KVTransferError(f"unexpected transfer header: {_header_mismatch(expected, header)} (part of {n} blocks)")
+        part, shape = block_ids[first : first + n], geometry.packed_shape(n)
         if magic == _SHM_MAGIC:
             done = torch.zeros(1, dtype=torch.int64)
             try:
-                unpack_blocks(kv_caches, block_ids, shm_slots.view_as(self._views.view(*slot), shape, geometry.dtype))
+                unpack_blocks(kv_caches, part, shm_slots.view_as(self._views.view(*slot), shape, geometry.dtype))
                 done[0] = 1
             except Exception:
                 self._views.forget(*slot)
                 raise
             finally:  # the sender waits for this word before it reuses (or drops) the slot
                 self._wait(pg.send([done], PREFILL_RANK, payload_tag), "shared-memory ack send")
-            return True
+            return n, True
         packed = torch.empty(shape, dtype=geometry.dtype, device=geometry.device)
         if packed.numel():
             self._wait(pg.recv([packed], PREFILL_RANK, payload_tag), "payload recv")
-        unpack_blocks(kv_caches, block_ids, packed)
-        return False
+        unpack_blocks(kv_caches, part, packed)
+        return n, False
 
     def _on_this_host(self, pair: _Pair) -> bool:
         return self._slots is not None and self.shared_memory and pair.store_address[0] == self.host
 
-    def _send_shared(self, pg, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry, transfer_id: int) -> bool:
+    def _send_shared(
+        self, pg, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry, transfer_id: int, first: int, total: int
+    ) -> bool:
         """Pack into a shared-memory slot, announce it, wait for the receiver's ack. False
         (nothing sent) when no slot can be had: the caller sends over the sockets."""
         n = len(block_ids)
@@ -562,7 +623,7 @@ class KVTransport:
         try:
             pack_blocks(kv_caches, block_ids, out=shm_slots.view_as(slot.data, geometry.packed_shape(n), geometry.dtype))
             header_tag, payload_tag = _tags(transfer_id)
-            header = _header(transfer_id, n, geometry, _SHM_MAGIC, (slot.pid, slot.index, slot.capacity))
+            header = _header(transfer_id, first, n, total, geometry, _SHM_MAGIC, (slot.pid, slot.index, slot.capacity))
             self._wait(pg.send([header], DECODE_RANK, header_tag), "header send")
             done = torch.zeros(1, dtype=torch.int64)
             self._wait(pg.recv([done], DECODE_RANK, payload_tag), "shared-memory ack recv")
@@ -607,10 +668,10 @@ class KVTransport:
         pair.store = None
         pair.ready.set()
 
-    def _fault_selected(self, transfer_id: int) -> bool:
+    def _fault_selected(self, transfer_id: int, first: int) -> bool:
         with self._lock:
             self._counters.send_attempts += 1
-            return self._faults.selects(transfer_id, self._counters.send_attempts)
+            return self._faults.selects(transfer_id, self._counters.send_attempts, first)
 
     def _count(self, **increments: float) -> None:
         with self._lock:

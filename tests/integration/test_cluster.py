@@ -226,19 +226,26 @@ def test_one_hot_prefix_spreads_over_both_decode_replicas(ray_local, engine_conf
     assert min(after[w] - before.get(w, 0) for w in after) >= 16 // 4, (before, after)
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_failed_transfer_follows_policy(ray_local, engine_config, expected, policy):
-    transport = TransportConfig(timeout_s=3.0, failure_policy=policy, fail_transfer_ids=(0,))
+@pytest.mark.parametrize(("policy", "midway"), [("recompute", False), ("fail", False), ("recompute", True), ("fail", True)])
+def test_failed_transfer_follows_policy(ray_local, engine_config, expected, policy, midway):
+    """The first transfer fails at the sender: before its first part, or midway (its
+    prompt is chunked: the first part went, the second failed, while the prompt computed).
+    Either way the policy decides, the workers go on, and every block comes back."""
+    transport = TransportConfig(timeout_s=3.0, failure_policy=policy, fail_transfer_ids=(0,), fail_midway=midway)
     router = deploy(engine_config, transport=transport)
+    failing = 6  # its prompt is over two chunks of 32 tokens: its KV goes in several parts
     if policy == "recompute":
-        tokens, _ = asyncio.run(collect(router, PROMPTS[1]))
-        assert tokens == expected[1]
+        tokens, _ = asyncio.run(collect(router, PROMPTS[failing]))
+        assert tokens == expected[failing]
     else:
         with pytest.raises(Exception, match="KV transfer"):
-            asyncio.run(collect(router, PROMPTS[1]))
+            asyncio.run(collect(router, PROMPTS[failing]))
     # The workers keep serving, and the failed request's blocks are back.
     tokens, _ = asyncio.run(collect(router, PROMPTS[2]))
     assert tokens == expected[2]
     stats = router.worker_stats.remote().result()
-    assert sum(s["transport"]["transfers_failed"] for s in stats["prefill"].values()) == 1
+    prefill, decode = next(iter(stats["prefill"].values()))["transport"], next(iter(stats["decode"].values()))["transport"]
+    assert prefill["transfers_failed"] == decode["transfers_failed"] == 1 and prefill["transfers_ok"] == decode["transfers_ok"] == 1
+    # A failed transfer counts no bytes received: midway, the part that went shows as bytes sent only.
+    assert (prefill["bytes_sent"] > decode["bytes_received"]) == midway
     assert wait_until(lambda: all_blocks_returned(router))

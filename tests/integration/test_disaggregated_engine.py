@@ -2,6 +2,7 @@
 tokens as one colocated engine. This is the data path the workers run, minus Ray and
 the network (blocks are copied directly between the two engines' caches here)."""
 
+import dataclasses
 
 import pytest
 
@@ -90,6 +91,47 @@ def test_disaggregated_tokens_equal_colocated(tiny_models, params):
     # The third prompt shares a long prefix with the second: the decode engine already
     # holds those blocks and fewer are moved.
     assert moved[2][0] > 0 and moved[2][1] < moved[1][1]
+    for e in (p_engine, d_engine):
+        e.check_integrity()
+        assert e.pool.num_used_blocks == 0
+
+
+def test_kv_sent_chunk_by_chunk_gives_the_tokens_one_send_gives(tiny_models):
+    """A stream_kv prefill reports each chunk's KV (tokens computed, blocks) as it goes:
+    the full blocks copied as each report comes, the rest at the first token, land the
+    same KV in the decode engine as one copy at the end, hence the same tokens."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    model = tiny_models["qwen3"]
+    prompt = PROMPTS[1]  # in chunks of 8 tokens (max_num_batched_tokens), as the blocks are
+    want = make_engine(model).generate([prompt], params)[0].token_ids
+    p_engine, d_engine = make_engine(model), make_engine(model)
+    p_engine.scheduler.config = dataclasses.replace(p_engine.scheduler.config, max_num_batched_tokens=8)
+    p_engine.step_budget.max_tokens = 8
+    drid, dst_ids, num_cached = d_engine.add_remote_request(prompt, params)
+    rid = p_engine.add_request(prompt, params.for_first_token(0), hold_kv=True, stream_kv=True)
+    copied, reports, first = 0, [], None
+    while first is None:
+        for out in p_engine.step():
+            assert out.request_id == rid
+            if out.kv_progress is not None:
+                computed, table = out.kv_progress
+                assert out.new_token_ids == [] and not out.finished and table == p_engine.block_table(rid)
+                reports.append(computed)
+                full = computed // BS
+                copy_blocks(p_engine, table[copied:full], d_engine, dst_ids[copied:full])  # this chunk's full blocks
+                copied = full
+            else:
+                first = out.new_token_ids[0]
+                copy_blocks(p_engine, out.held_block_ids[copied:], d_engine, dst_ids[copied:])  # the rest
+    n = out.num_prompt_tokens
+    assert n > 16 and reports == list(range(8, n, 8))  # after each chunk that did not sample; the last one's output is the token
+    out = d_engine.accept_first_token(drid, first)
+    assert d_engine.commit_remote(drid, True) and p_engine.release(rid)
+    tokens = list(out.new_token_ids)
+    while d_engine.has_unfinished:
+        for out in d_engine.step():
+            tokens += out.new_token_ids
+    assert tokens == want
     for e in (p_engine, d_engine):
         e.check_integrity()
         assert e.pool.num_used_blocks == 0

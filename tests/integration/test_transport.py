@@ -203,6 +203,30 @@ def _prefill_transfers(addresses, transfers, timeout_s, faults=None, delays=None
     return {"outcomes": outcomes, "stats": stats, "sent": sent, "files_left": left}
 
 
+def _prefill_parts(addresses, transfers, timeout_s, parts, abandon_at=None, faults=None, shared_memory=True):
+    """Each transfer sent in parts of `parts` blocks at most, in order, as a prefill sends
+    a prompt's KV while it computes; `abandon_at` {transfer id: first block}: the sender
+    gives that transfer up there (its prompt aborted), after the parts before it."""
+    caches = random_caches(PREFILL_SEED)
+    address = addresses.get(timeout=30)
+    with KVTransport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults, shared_memory=shared_memory) as kv:
+        kv.ensure_group("d0", address, "s1")
+        outcomes = {}
+        for tid, src, _dst in transfers:
+            stop = (abandon_at or {}).get(tid)
+            outcome = ("ok", 0.0)
+            for first in range(0, len(src), parts):
+                if first == stop:
+                    kv.abandon("d0", caches, tid, first, len(src))
+                    outcome = ("abandoned", first)
+                    break
+                outcome = _attempt(kv.send_blocks, "d0", caches, src[first : first + parts], tid, first, len(src))
+                if outcome[0] != "ok":
+                    break
+            outcomes[tid] = outcome
+        return {"outcomes": outcomes, "stats": kv.stats()}
+
+
 def _decode_sessions(addresses):
     caches = random_caches(DECODE_SEED)
     with KVTransport("decode", "d0", "cpu", timeout_s=5) as kv:
@@ -267,6 +291,8 @@ def test_pack_unpack_reject_bad_block_ids():
 def test_fault_injection_selection():
     by_id = FaultInjection(fail_transfer_ids=frozenset({2, 5}))
     assert [t for t in range(1, 7) if by_id.selects(t, attempt=t)] == [2, 5]
+    midway = FaultInjection(fail_transfer_ids=frozenset({2}), midway=True)
+    assert not midway.selects(2, attempt=1, first=0) and midway.selects(2, attempt=2, first=4)
     every_third = FaultInjection(fail_every_nth=3)
     assert [a for a in range(1, 10) if every_third.selects(100 + a, attempt=a)] == [3, 6, 9]
     assert not any(FaultInjection().selects(t, t) for t in range(1, 10))
@@ -336,6 +362,53 @@ def test_injected_faults_fail_both_sides_then_the_pair_recovers(children, shared
     assert p["groups_created"] == d["groups_created"] == 1 and p["groups"] == d["groups"] == 1
 
 
+PART_TRANSFERS = [(1, [3, 7, 1, 0, 4], [0, 5, 2, 8, 9]), (2, [2], [7]), (3, [6, 5, 9], [1, 3, 4])]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_a_transfer_in_parts_lands_as_one_send_would(children, shared_memory):
+    """Parts of at most 2 blocks (the first transfer in 3, the last in 2), received by
+    the same recv_blocks call as a one-part transfer: the same blocks, the same counts."""
+    decode, prefill = children.run(
+        _decode_transfers, _prefill_parts, (PART_TRANSFERS, 10.0, shared_memory), (PART_TRANSFERS, 10.0, 2, None, None, shared_memory)
+    )
+    assert all(o[0] == "ok" for o in {**prefill["outcomes"], **decode["outcomes"]}.values()), (prefill, decode)
+    final, before, source = from_bytes(decode["caches"]), random_caches(DECODE_SEED), random_caches(PREFILL_SEED)
+    for _tid, src, dst in PART_TRANSFERS:
+        assert torch.equal(pack_blocks(final, dst), pack_blocks(source, src))
+    assert torch.equal(pack_blocks(final, [6]), pack_blocks(before, [6]))
+    payload = sum(payload_nbytes(len(src)) for _tid, src, _dst in PART_TRANSFERS)
+    p, d = prefill["stats"], decode["stats"]
+    assert (p["transfers_ok"], p["transfers_failed"], p["bytes_sent"]) == (3, 0, payload)  # a transfer counts once
+    assert (d["transfers_ok"], d["transfers_failed"], d["bytes_received"]) == (3, 0, payload)
+    assert p["transfers_shared_memory"] == d["transfers_shared_memory"] == (3 if shared_memory else 0)
+
+
+@pytest.mark.parametrize("how", ["abandoned", "injected_midway"])
+def test_a_transfer_that_fails_midway_fails_the_receive_at_once_and_the_pair_goes_on(children, how):
+    """After its first part, transfer 1 ends: its prompt was aborted (the sender abandons
+    it), or the link broke (a fault injected at its second part). The receiver fails it at
+    once, with the first part's blocks written (the request's own, never published: the
+    scheduler frees or recomputes them), and transfer 2 goes through the same group."""
+    timeout_s = 5.0
+    transfers = PART_TRANSFERS[:2]
+    abandon_at, faults = ({1: 2}, None) if how == "abandoned" else (None, FaultInjection(frozenset({1}), midway=True))
+    decode, prefill = children.run(
+        _decode_transfers, _prefill_parts, (transfers, timeout_s), (transfers, timeout_s, 2, abandon_at, faults)
+    )
+    po, do = prefill["outcomes"], decode["outcomes"]
+    assert po[1][0] == ("abandoned" if how == "abandoned" else "error") and po[2][0] == "ok", po
+    assert do[1][0] == "error" and "failed at the sender" in do[1][1] and "at block 2 of 5" in do[1][1], do
+    assert do[1][2] < 2.0  # no waiting out the timeout
+    assert do[2][0] == "ok", do
+    final, before, source = from_bytes(decode["caches"]), random_caches(DECODE_SEED), random_caches(PREFILL_SEED)
+    assert torch.equal(pack_blocks(final, [0, 5]), pack_blocks(source, [3, 7]))  # the part that came
+    assert torch.equal(pack_blocks(final, [2, 8, 9]), pack_blocks(before, [2, 8, 9]))  # the rest untouched
+    assert torch.equal(pack_blocks(final, [7]), pack_blocks(source, [2]))
+    for stats in (prefill["stats"], decode["stats"]):
+        assert (stats["transfers_ok"], stats["transfers_failed"], stats["groups_created"]) == (1, 1, 1)
+
+
 def test_receiver_timeout_then_the_pair_recovers_on_the_next_transfer(children):
     """The sender is late for transfer 2: the receiver times out (and gloo closes the group's
     connections), the late send fails on the closed group, both remake it for transfer 3."""
@@ -362,7 +435,7 @@ def test_header_mismatch_fails_the_transfer_then_the_pair_recovers(children):
     decode, prefill = children.run(_decode_transfers, _prefill_transfers, (expected, 5.0), (sent, 5.0))
 
     po, do = prefill["outcomes"], decode["outcomes"]
-    assert do[2][0] == "error" and "num_blocks 1 (expected 2)" in do[2][1], do
+    assert do[2][0] == "error" and "total 1 (expected 2)" in do[2][1], do
     assert po[2][0] == "error" and po[2][2] < 2.0, po  # the receiver dropped the group: no waiting out
     assert po[1][0] == do[1][0] == po[3][0] == do[3][0] == "ok", (po, do)
     final, before, source = from_bytes(decode["caches"]), random_caches(DECODE_SEED), random_caches(PREFILL_SEED)
