@@ -12,6 +12,11 @@ PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
 INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
 GGUF_SUFFIX = ".gguf"
+# For every local Ray pdserve starts (deploy/cluster.yaml's `ray start` commands set the
+# same): Ray runs its workers at nice 15 by default, below every ordinary process on the
+# host, so on a CPU node the engines would yield their cores to anything else running
+# there (a load client, a build). The replicas are the service itself: nice 0.
+RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 def default_served_name(model: str) -> str:

@@ -17,7 +17,7 @@ from ray import serve
 
 from cluster import ingress
 from cluster.app import build_app, grpc_options
-from cluster.config import ClusterConfig, from_dict
+from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
 from cluster.model.builtin import model_or_builtin
 from cluster.model.families import parse_arch
 from cluster.model.loader import open_checkpoint
@@ -80,7 +80,8 @@ def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True
     """Start a local Ray whose Serve reaches its gateways by `ingress_mode`
     (cluster/ingress.py); returns the resolved mode, "direct" or "proxy"."""
     with ingress.settings(ingress_mode) as mode:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+                 _system_config=RAY_SYSTEM_CONFIG)
     return mode
 
 

@@ -29,7 +29,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig, TransportConfig
+from cluster.config import RAY_SYSTEM_CONFIG, EngineConfig, TransportConfig
 from cluster.engine.runner import ModelRunner
 from cluster.errors import RankLostError
 from cluster.host_memory import keep_freed_memory
@@ -114,7 +114,8 @@ class TensorParallelRanks:
         `config` is resolved: the same dtype and block count on every rank."""
         size = config.tensor_parallel_size
         if not ray.is_initialized():  # offline use: a local Ray for the rank processes
-            ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False, log_to_driver=False,
+                     _system_config=RAY_SYSTEM_CONFIG)
         host = ray.util.get_node_ip_address()
         store, address = TensorParallelGroup.host(host, config.tp_timeout_s)
         self._own_pg: PlacementGroup | None = None

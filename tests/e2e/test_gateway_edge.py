@@ -3,6 +3,7 @@ OpenAI's shape, liveness/readiness, Prometheus metrics, admission limits that re
 fast with Retry-After, and per-key rate limits shared through a real redis-server."""
 
 import asyncio
+import os
 import re
 
 import httpx
@@ -73,6 +74,14 @@ def test_health_ready_and_metrics(live, auth):
         assert re.search(rf'pdserve_kv_cache_usage_ratio\{{replica="{tier}-\w+",tier="{tier}"\}} 0', text)
         assert re.search(rf'pdserve_requests_running\{{tier="{tier}"\}} 0', text)
         assert re.search(rf'pdserve_requests_waiting\{{tier="{tier}"\}} 0', text)
+
+
+def test_engine_replicas_run_at_normal_priority(live):
+    """Not at Ray's default worker niceness (15), where any other process on the host
+    would take their cores first (cluster/config.py: RAY_SYSTEM_CONFIG)."""
+    stats = live.handle.worker_stats.remote().result()
+    pids = [s["pid"] for tier in ("prefill", "decode") for s in stats[tier].values()]
+    assert pids and {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {0}
 
 
 def test_ready_is_503_when_the_kv_transfer_path_is_broken(live, auth):

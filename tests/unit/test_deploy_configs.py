@@ -24,7 +24,7 @@ with warnings.catch_warnings():  # ray.serve's pydantic models still use v1-styl
 
 from cluster import ingress
 from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, tier_options
-from cluster.config import ClusterConfig, from_dict
+from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_SCHEMA = Path(os.path.dirname(ray.autoscaler.__file__)) / "ray-schema.json"
@@ -129,6 +129,8 @@ def test_every_ray_start_carries_the_direct_ingress_settings(cluster):
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         (start,) = [c for c in cluster[key] if "ray start" in c]
         assert f"{settings} ray start" in start, key
+        for name, value in RAY_SYSTEM_CONFIG.items():  # what a local Ray gets (workers at nice 0)
+            assert f"RAY_{name}={value} " in start, key
 
 
 def test_cluster_has_room_for_each_tiers_max_replicas(cluster, serve):
