@@ -1,5 +1,6 @@
 """A CPU step's decoder layers in one C call (kernels/cpu.py: step_layers), for steps of no
-more rows than the C linear takes: decode tokens, prompt chunks' tokens, or both.
+more rows than the C linear takes: decode tokens, prompt chunks' tokens (of little enough
+context: `applies`), or both.
 
 The same math as DecoderLayer.forward, with every op whose output only feeds the next op
 folded into that op:
@@ -34,11 +35,21 @@ from kernels import cpu
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+# A prompt chunk's rows attend here at about twice the cost per (row, context token) of
+# torch's SDPA on the per-op path (AMX, bf16, 2 threads: a step of 8 decodes + 56 prompt
+# tokens costs 23 ms here vs 38 op by op at context 0, about the same at context ~330, 92
+# vs 67 at context 1456); past this many pairs in a step the per-op path is cheaper.
+MAX_PROMPT_ATTENTION_PAIRS = 16 * 1024
+
+
 def applies(model, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
     """Whether this step's layers can take `step_layers`: few enough rows for the C linear,
-    one tensor-parallel rank (the residual add sits inside o_proj and down_proj, before any
-    all-reduce could), and everything in dtypes the kernels take."""
+    prompt chunks with little enough context, one tensor-parallel rank (the residual add
+    sits inside o_proj and down_proj, before any all-reduce could), and everything in
+    dtypes the kernels take."""
     if model.group.is_parallel:
+        return False
+    if sum(seq.query_len * seq.context_len for seq in meta.prefills) > MAX_PROMPT_ATTENTION_PAIRS:
         return False
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp

@@ -159,3 +159,10 @@ def test_steps_of_many_rows_or_tensor_parallel_keep_the_per_op_path(tiny_llama):
     assert cpu_step.applies(model, h, meta, kv)  # decodes and a prompt chunk: one call
     rows = c_kernel_max_rows(torch.float32) + 1  # more than the C linear takes: oneDNN's linear, op by op
     assert not cpu_step.applies(model, torch.zeros(rows, h.shape[1]), meta, kv)
+    # a prompt chunk deep into a long prompt: its attention is cheaper op by op (SDPA)
+    def chunk_at(context_len):
+        seq = PrefillSeq(query_start=0, query_len=16, context_len=context_len, block_ids=torch.arange(context_len // 16))
+        return AttentionMetadata(meta.slot_mapping, 0, meta.decode_block_tables[:0], meta.decode_context_lens[:0], (seq,))
+    h16 = torch.zeros(16, h.shape[1])
+    assert cpu_step.applies(model, h16, chunk_at(16 * 64), kv)
+    assert not cpu_step.applies(model, h16, chunk_at(16 * 65), kv)  # 16 x 1040 > MAX_PROMPT_ATTENTION_PAIRS
