@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,9 @@ GGUF_SUFFIX = ".gguf"
 # same): Ray runs its workers at nice 15 by default, below every ordinary process on the
 # host, so on a CPU node the engines would yield their cores to anything else running
 # there (a load client, a build). The replicas are the service itself: nice 0.
-RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+# Read-only: ray.init adds its own keys to the dict it gets (a session's spill directory),
+# so each call passes a copy.
+RAY_SYSTEM_CONFIG = types.MappingProxyType({"worker_niceness": 0})
 
 
 def default_served_name(model: str) -> str:

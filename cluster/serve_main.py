@@ -81,7 +81,7 @@ def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True
     (cluster/ingress.py); returns the resolved mode, "direct" or "proxy"."""
     with ingress.settings(ingress_mode) as mode:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                 _system_config=RAY_SYSTEM_CONFIG)
+                 _system_config=dict(RAY_SYSTEM_CONFIG))
     return mode
 
 

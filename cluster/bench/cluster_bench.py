@@ -77,7 +77,7 @@ def run_cluster_bench(args) -> int:
     prompts = [torch.randint(10, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _system_config=dict(RAY_SYSTEM_CONFIG))
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
     rounds: dict[str, list[dict]] = {name: [] for name in configs}
     transfers: dict = {}

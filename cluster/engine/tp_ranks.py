@@ -115,7 +115,7 @@ class TensorParallelRanks:
         size = config.tensor_parallel_size
         if not ray.is_initialized():  # offline use: a local Ray for the rank processes
             ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False, log_to_driver=False,
-                     _system_config=RAY_SYSTEM_CONFIG)
+                     _system_config=dict(RAY_SYSTEM_CONFIG))
         host = ray.util.get_node_ip_address()
         store, address = TensorParallelGroup.host(host, config.tp_timeout_s)
         self._own_pg: PlacementGroup | None = None
