@@ -20,10 +20,15 @@ async def until(condition, timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.005)
 
 
+async def listening() -> tuple[DeltaReceiver, tuple]:
+    """A gateway's receiver listening on this host, and the address workers send to."""
+    receiver = DeltaReceiver("127.0.0.1")
+    return receiver, await receiver.start()
+
+
 def test_a_loop_turn_of_deltas_is_one_frame_and_each_request_gets_its_own_in_order():
     async def main():
-        receiver = DeltaReceiver("127.0.0.1")
-        address = await receiver.start()
+        receiver, address = await listening()
         queues = {rid: receiver.subscribe(rid) for rid in ("a", "b", "c")}
         sender = DeltaSender()
         conn = sender.connection(address)
@@ -46,8 +51,7 @@ def test_a_loop_turn_of_deltas_is_one_frame_and_each_request_gets_its_own_in_ord
 
 def test_deltas_nobody_waits_for_are_dropped():
     async def main():
-        receiver = DeltaReceiver("127.0.0.1")
-        address = await receiver.start()
+        receiver, address = await listening()
         kept = receiver.subscribe("kept")
         receiver.subscribe("gone")
         receiver.unsubscribe("gone")  # cancelled: its late deltas must go nowhere
@@ -68,8 +72,7 @@ def test_deltas_nobody_waits_for_are_dropped():
 
 def test_a_peer_without_the_token_is_refused_before_anything_is_unpickled():
     async def main():
-        receiver = DeltaReceiver("127.0.0.1")
-        host, port, _ = await receiver.start()
+        receiver, (host, port, _) = await listening()
         queue = receiver.subscribe("r")
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(_frame(b"not the token"))
@@ -86,8 +89,7 @@ def test_a_peer_without_the_token_is_refused_before_anything_is_unpickled():
 
 def test_a_broken_connection_fails_the_requests_on_it_and_the_next_request_reconnects():
     async def main():
-        receiver = DeltaReceiver("127.0.0.1")
-        address = await receiver.start()
+        receiver, address = await listening()
         queue = receiver.subscribe("r1")
         sender = DeltaSender()
         first = sender.connection(address)
@@ -99,8 +101,7 @@ def test_a_broken_connection_fails_the_requests_on_it_and_the_next_request_recon
             first.send(delta("r1", 2))  # never a gap in r1's stream: it fails
         assert queue.qsize() == 1
 
-        receiver2 = DeltaReceiver("127.0.0.1")  # a gateway listening again
-        address2 = await receiver2.start()
+        receiver2, address2 = await listening()  # a gateway listening again
         queue2 = receiver2.subscribe("r2")
         second = sender.connection(address2)
         assert second is not first
@@ -115,8 +116,7 @@ def test_a_broken_connection_fails_the_requests_on_it_and_the_next_request_recon
 
 def test_an_unreachable_gateway_fails_the_send():
     async def main():
-        receiver = DeltaReceiver("127.0.0.1")
-        address = await receiver.start()
+        receiver, address = await listening()
         await receiver.close()  # nobody listens on that port any more
         sender = DeltaSender()
         conn = sender.connection(address)
