@@ -70,6 +70,7 @@ class EngineConfig:
     served_model_name: str | None = None  # default: default_served_name(model)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = "cpu"
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs (vLLM's flag)
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0
     cache: CacheConfig = CacheConfig()  # memory_gib: per rank

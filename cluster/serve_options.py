@@ -31,6 +31,7 @@ SERVE_FLAGS = (
          "the model id clients send (default: the model's directory or file name; smollm2-135m-instruct for the built-in model)"),
     Flag("--dtype", ("engine.dtype",), "auto: by device and CPU capabilities", DTYPES),
     Flag("--max-model-len", ("engine.max_model_len",), "prompt + output tokens per request (default: the model's)"),
+    Flag("--enforce-eager", ("engine.enforce_eager",), "GPU: decode steps run eagerly, without CUDA graphs"),
     Flag("--kv-cache-gib", ("engine.cache.memory_gib",), "KV cache per replica"),
     Flag("--max-num-batched-tokens", ("engine.scheduler.max_num_batched_tokens",),
          "tokens one engine step computes at most (prompt chunks + decodes)"),

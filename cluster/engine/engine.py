@@ -133,7 +133,11 @@ class Engine:
         s = config.scheduler
         self.step_budget = StepBudget(s.max_num_batched_tokens, s.max_step_slowdown, floor=MIN_PROMPT_CHUNK)
         self.step_times = StepTimes()
-        self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device)
+        # CUDA graphs for decode steps on one GPU; tensor-parallel steps stay eager (their
+        # all-reduces run through TensorParallelGroup, not captured).
+        graphs = torch.device(config.device).type == "cuda" and not config.enforce_eager and self.ranks is None
+        self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device,
+                                  decode_graphs=config.scheduler.max_num_seqs if graphs else 0)
         self.sampler = Sampler()
         self._outputs: dict[str, _OutputState] = {}
         self.finish_counts: Counter[str] = Counter()  # finished requests by finish reason

@@ -4,6 +4,9 @@ The runner owns the KV cache tensors (one K and one V per layer, each
 `[num_blocks, block_size, num_kv_heads, head_dim]`, this rank's KV heads under tensor
 parallelism) and nothing else; which block holds what is the block pool's business.
 
+Decode-only steps on a GPU replay a CUDA graph (cluster/engine/decode_graphs.py) when the
+runner is built with `decode_graphs`.
+
 Tensor parallelism: rank 0's runner broadcasts each step's plan before running it, and
 every other rank's runner `follow`s: the same plan, the same forward pass, on its shard.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import CacheConfig
+from cluster.engine.decode_graphs import DecodeGraphs
 from cluster.engine.scheduler import SchedulerOutput
 from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.families import ModelArch
@@ -50,7 +54,10 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: str = "cpu"):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: str = "cpu",
+                 decode_graphs: int = 0):
+        """decode_graphs > 0: decode-only steps of up to that many tokens run through
+        DecodeGraphs (captured here on CUDA; without CUDA, eagerly on its padded buffers)."""
         self.model = loaded.model
         self.arch = loaded.arch
         self.group = loaded.model.group
@@ -61,6 +68,12 @@ class ModelRunner:
             (torch.zeros(shape, dtype=loaded.dtype, device=device), torch.zeros(shape, dtype=loaded.dtype, device=device))
             for _ in range(self.arch.num_layers)
         ]
+        self.decode_graphs = None
+        if decode_graphs:
+            max_blocks = -(-loaded.max_model_len // block_size)
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, decode_graphs, max_blocks, self.device)
+            if self.device.type == "cuda":
+                self.decode_graphs.capture()
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         """Run the step; returns (request ids to sample, their logits [N, vocab] fp32)."""
@@ -95,7 +108,10 @@ class ModelRunner:
 
     def _run(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         batch = self.prepare(sched)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
+        if self.decode_graphs is not None and self.decode_graphs.takes(batch.input_ids, batch.meta):
+            hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)  # [T, hidden]
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [N, vocab]
         return batch.sample_request_ids, logits
 
