@@ -17,7 +17,7 @@ from cluster.model.linear import c_kernel_max_rows
 from cluster.model.loader import load_model
 from kernels import cpu
 from kernels.silu_gate import silu_and_mul_reference
-from tests.unit.test_cpu_kernels import DTYPES, _seed, isa  # noqa: F401 - its autouse fixtures: a seed, every ISA build
+from tests.unit.test_cpu_kernels import DTYPES, ISA_BUILDS, _seed, isa  # noqa: F401 - its autouse fixtures: a seed, every ISA build
 from tests.unit.test_kernels import _cos_sin_cache, _paged_setup, _tol
 
 
@@ -78,6 +78,15 @@ def test_rotary_store_attend_is_the_three_ops_in_turn(q_dtype, cache_dtype, num_
     assert torch.equal(got, want)
 
 
+def _load(path, dtype: str, isa: str):
+    """The model on the ISA build under test: loading configures the kernels for this CPU's
+    capabilities (PDSERVE_CPU_DISABLE), so the build is put back after it (the weights are
+    packed again for it at the first step)."""
+    model = load_model(path, dtype=dtype).model
+    cpu.configure(ISA_BUILDS[isa])
+    return model
+
+
 def _mixed_step(model, decode_lens: list[int], chunks: list[tuple[int, int]], block_size: int):
     """A step of decodes (each with its context of len-1 cached tokens) and prompt chunks
     ((cached tokens, new tokens) each), every sequence in its own blocks: inputs for
@@ -119,8 +128,8 @@ def _fused_and_per_op(model, step, torch_dtype, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])  # GQA, MQA, qkv bias, q/k norms
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_fused_decode_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch):
-    model = load_model(tiny_models[family], dtype=dtype).model
+def test_a_fused_decode_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch, isa):
+    model = _load(tiny_models[family], dtype, isa)
     torch_dtype = getattr(torch, dtype)
     step = _mixed_step(model, [5, 40, 17], [], 16)
     fused, per_op, kv_caches, per_op_caches = _fused_and_per_op(model, step, torch_dtype, monkeypatch)
@@ -132,10 +141,10 @@ def test_a_fused_decode_step_equals_the_per_op_step(tiny_models, family, dtype, 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_fused_mixed_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch):
+def test_a_fused_mixed_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch, isa):
     """Decodes beside a prompt chunk after a cached prefix and a whole short prompt: the
     chunks' tokens attend causally, each up to itself, in the one call too."""
-    model = load_model(tiny_models[family], dtype=dtype).model
+    model = _load(tiny_models[family], dtype, isa)
     torch_dtype = getattr(torch, dtype)
     rows = c_kernel_max_rows(torch_dtype)
     chunks = [(21, rows // 2 - 3), (0, rows // 2 - 2)]  # with the 3 decodes below: one row short of the limit
