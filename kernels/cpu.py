@@ -47,6 +47,7 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _SIGNATURES = {  # name: (argument types, result type)
     "pd_packed_linear_numel": ([_i64, _i64, _i32], _i64),
     "pd_packed_linear_layout": ([_i32], _i32),
+    "pd_amx_tiles": ([], _i32),
     "pd_pack_linear_weight": ([_p, _p, _i64, _i64, _i32], None),
     "pd_linear": ([_p, _i32, _p, _f32, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "pd_rms_norm": ([_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32], None),
@@ -72,6 +73,11 @@ def configure(isa_flags: list[str] | tuple[str, ...]) -> None:
     if tuple(isa_flags) != _isa_flags:
         _isa_flags = tuple(isa_flags)
         reload()
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The `-mno-*` switches the kernels are built with (configure's)."""
+    return _isa_flags
 
 
 def compile_flags() -> list[str]:
@@ -155,6 +161,15 @@ def reload() -> None:
     """Load the library again at the next op (after PDSERVE_CPU_KERNELS changed)."""
     _load.cache_clear()
     packed_layout.cache_clear()
+    amx_tiles.cache_clear()
+
+
+@functools.cache
+def amx_tiles() -> bool:
+    """The loaded kernels multiply bf16 in AMX tiles: built with AMX, and Linux granted them
+    the tile state."""
+    lib = library()
+    return lib is not None and bool(lib.pd_amx_tiles())
 
 
 def available() -> bool:
@@ -285,8 +300,10 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _tables_and_lens(block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows' block tables and context lengths as the C side reads them (int32)."""
-    return block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    """Rows' block tables and context lengths as the C side reads them (int32; a table's rows
+    may share memory, as one prompt chunk's rows do: stride 0)."""
+    tables = block_tables.to(torch.int32)
+    return tables if tables.stride(-1) == 1 else tables.contiguous(), context_lens.to(torch.int32).contiguous()
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:

@@ -39,6 +39,19 @@ def attention_in_fp32(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype != torch.float32 and not detect().amx
 
 
+def prompt_attention_in_c(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """A prompt chunk after cached context attends in the C kernel where it multiplies in AMX
+    tiles (bf16 queries and cache, kernels/csrc/cpu_kernels.c: amx_attend), not in torch's
+    SDPA with a mask. Measured on an Intel Xeon with AMX (1 thread, 9 query / 3 KV heads,
+    D=64), C vs masked SDPA, a layer: 56 tokens after 1456 cached 0.62 vs 1.50 ms, 16 after
+    1024 0.18 vs 0.48 ms, 256 after 1024 2.1 vs 3.0 ms. A chunk with no cached context
+    keeps SDPA's causal kernel, which skips the masked half and is as fast as the C kernel
+    there (a whole 1024-token prompt: 4.6 ms C, 9.0 masked, ~5 causal).
+    Without AMX the C loop computes in fp32 at about twice SDPA's cost, so SDPA stays."""
+    return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and cpu_kernels.usable(q, k_cache)
+            and k_cache.is_contiguous() and cpu_kernels.amx_tiles())
+
+
 @dataclass(frozen=True)
 class PrefillSeq:
     query_start: int  # index of its first token in the flattened batch
@@ -131,6 +144,10 @@ class Attention(nn.Module):
     def _prefill_attention(self, q, k, v, k_cache, v_cache, seq: PrefillSeq) -> torch.Tensor:
         # q: [Tq, Hq, D]; attends to context positions [0, context_len), causally.
         start = seq.context_len - seq.query_len
+        if start > 0 and prompt_attention_in_c(q, k_cache):  # every row reads the cache (its own K/V is stored)
+            tables = seq.block_ids.to(torch.int32).expand(seq.query_len, -1)
+            lens = torch.arange(start + 1, seq.context_len + 1, dtype=torch.int32)
+            return paged_attention_decode(q, k_cache, v_cache, tables, lens, self.scale)
         if start > 0:  # part of the context is only in the cache: read it back
             k = k_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]  # [L, Hk, D]
             v = v_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]

@@ -15,8 +15,9 @@ Each intermediate is rounded to the model's dtype where the per-op path rounds i
 decode tokens both paths give the same bits but for SiLU's exp (tests/unit/test_cpu_step.py
 checks it). A prompt chunk's token attends to its request's context up to itself: the C
 attention gets each row's own context length and its request's block table, and computes
-a chunk's tokens together (each cache block read once for all of them) in exact fp32,
-where the per-op path takes torch's SDPA, so prompt rows agree with it within rounding.
+a chunk's tokens together (each cache block read once for all of them): in bf16 with AMX
+in tiles (P rounded to bf16, as torch's SDPA rounds it), elsewhere in exact fp32, so prompt
+rows agree with the per-op path (the same C attention, or SDPA) within rounding.
 Why: at these row counts the ops are tiny, and on the per-op path each one's Python,
 dispatch and ctypes cost (5-10 us, ~15 ops a layer) added up to about a third of a
 batch-1 step; a step with a prompt chunk beside its decodes paid it on top of torch's
@@ -29,16 +30,18 @@ from __future__ import annotations
 
 import torch
 
-from cluster.model.attention import AttentionMetadata
+from cluster.model.attention import AttentionMetadata, prompt_attention_in_c
 from kernels import cpu
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-# A prompt chunk's rows attend here at about twice the cost per (row, context token) of
-# torch's SDPA on the per-op path (AMX, bf16, 2 threads: a step of 8 decodes + 56 prompt
-# tokens costs 23 ms here vs 38 op by op at context 0, about the same at context ~330, 92
-# vs 67 at context 1456); past this many pairs in a step the per-op path is cheaper.
+# Without AMX tiles (attention.prompt_attention_in_c), a prompt chunk's rows attend here in
+# fp32 at about twice the cost per (row, context token) of torch's SDPA on the per-op path
+# (bf16, 2 threads: a step of 8 decodes + 56 prompt tokens costs 23 ms here vs 38 op by op
+# at context 0, about the same at context ~330, 92 vs 67 at context 1456); past this many
+# pairs in a step the per-op path is cheaper. With AMX tiles the C attention is the cheaper
+# at any context.
 MAX_PROMPT_ATTENTION_PAIRS = 16 * 1024
 
 
@@ -49,7 +52,8 @@ def applies(model, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) 
     dtypes the kernels take."""
     if model.group.is_parallel:
         return False
-    if sum(seq.query_len * seq.context_len for seq in meta.prefills) > MAX_PROMPT_ATTENTION_PAIRS:
+    if (sum(seq.query_len * seq.context_len for seq in meta.prefills) > MAX_PROMPT_ATTENTION_PAIRS
+            and not prompt_attention_in_c(h, kv_cache[0])):
         return False
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp

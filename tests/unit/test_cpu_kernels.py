@@ -58,6 +58,7 @@ def test_the_build_follows_the_isa_cap(isa):
         assert "zmm" in code  # an AVX-512 CPU gets AVX-512 code
     has_amx = features_from_flags(cpu_flags(), frozenset()).amx and isa == "native"
     assert ("tdpbf16ps" in code) == has_amx  # AMX tiles exactly where the CPU has them and they are not forced off
+    assert cpu.amx_tiles() == has_amx
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -179,18 +180,20 @@ def test_paged_attention_matches_naive(dtype, num_q_heads, num_kv_heads, head_di
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (4, 1)])
-def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads, num_kv_heads):
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads, num_kv_heads, block_size):
     """A step's rows as the one-call step gives them: decode tokens, and prompt chunks whose
     tokens each carry their request's table and the context up to themselves. The kernel
     computes a chunk's tokens together (runs of equal tables and consecutive lengths, at
-    most RUN_MAX_ROWS = 32 rows each: the 45-token chunk is two runs)."""
-    head_dim, block_size = 64, 16
-    setup = _paged_setup([70, 45, 120, 9], num_q_heads, num_kv_heads, head_dim, block_size, dtype, "nan_blocks")
+    most RUN_MAX_ROWS = 64 rows each: the 80-token chunk is two runs), in bf16 with AMX in
+    tiles (from 16 query rows a run and KV head: amx_attend)."""
+    head_dim = 64
+    setup = _paged_setup([70, 80, 120, 9], num_q_heads, num_kv_heads, head_dim, block_size, dtype, "nan_blocks")
     _, k_cache, v_cache, tables, _ = setup
     # rows: a decode of sequence 2; sequence 0's chunk of positions 60..69 (a cached prefix
-    # before it); sequence 1's whole prompt of 45 as one chunk; a decode of sequence 3, whose
+    # before it); sequence 1's whole prompt of 80 as one chunk; a decode of sequence 3, whose
     # length follows the chunk's last by one: a run only where tables agree.
-    rows = [(2, 120)] + [(0, n) for n in range(61, 71)] + [(1, n) for n in range(1, 46)] + [(3, 9)]
+    rows = [(2, 120)] + [(0, n) for n in range(61, 71)] + [(1, n) for n in range(1, 81)] + [(3, 9)]
     row_tables = torch.stack([tables[seq] for seq, _ in rows])
     lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
     q = torch.randn(len(rows), num_q_heads, head_dim).to(dtype)
@@ -200,12 +203,16 @@ def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads,
     torch.testing.assert_close(out.double(), want, **_tol(dtype))
 
 
-def test_paged_attention_softmax_survives_large_scores():
-    """Scores far apart (exp underflows to 0 for all but the largest) stay finite and exact."""
-    q, k_cache, v_cache, tables, lens = _paged_setup([20], 2, 1, 64, 8, torch.float32, "nan_blocks")
-    q = q * 200
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_softmax_survives_large_scores(dtype):
+    """Scores far apart (exp underflows to 0 for all but the largest) stay finite and exact:
+    a decode row, and a 20-token prompt chunk (in bf16 with AMX: in tiles)."""
+    _, k_cache, v_cache, tables, _ = _paged_setup([20], 2, 1, 64, 8, dtype, "nan_blocks")
+    lens = torch.arange(1, 21, dtype=torch.int32)
+    q, tables = (torch.randn(20, 2, 64) * 200).to(dtype), tables.expand(20, -1)
     out = cpu.paged_attention_decode(q, k_cache, v_cache, tables, lens, 1.0)
-    torch.testing.assert_close(out.double(), _naive_decode_attention(q, k_cache, v_cache, tables, lens, 1.0))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), _naive_decode_attention(q, k_cache, v_cache, tables, lens, 1.0), **_tol(dtype))
 
 
 def test_a_missing_compiler_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):

@@ -11,13 +11,14 @@ prompt chunk's attention (exact fp32 here, torch's SDPA on the per-op path)."""
 import pytest
 import torch
 
-from cluster.model import cpu_step
+from cluster.cpu_features import detect
+from cluster.model import attention, cpu_step
 from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.linear import c_kernel_max_rows
 from cluster.model.loader import load_model
 from kernels import cpu
 from kernels.silu_gate import silu_and_mul_reference
-from tests.unit.test_cpu_kernels import DTYPES, ISA_BUILDS, _seed, isa  # noqa: F401 - its autouse fixtures: a seed, every ISA build
+from tests.unit.test_cpu_kernels import DTYPES, _seed, isa  # noqa: F401 - its autouse fixtures: a seed, every ISA build
 from tests.unit.test_kernels import _cos_sin_cache, _paged_setup, _tol
 
 
@@ -78,12 +79,13 @@ def test_rotary_store_attend_is_the_three_ops_in_turn(q_dtype, cache_dtype, num_
     assert torch.equal(got, want)
 
 
-def _load(path, dtype: str, isa: str):
-    """The model on the ISA build under test: loading configures the kernels for this CPU's
-    capabilities (PDSERVE_CPU_DISABLE), so the build is put back after it (the weights are
-    packed again for it at the first step)."""
+def _load(path, dtype: str):
+    """The model on the ISA build under test (the `isa` fixture's): loading configures the
+    kernels for this CPU's capabilities (PDSERVE_CPU_DISABLE), so the build is put back
+    after it (the weights are packed again for it at the first step)."""
+    build = cpu.isa_flags()
     model = load_model(path, dtype=dtype).model
-    cpu.configure(ISA_BUILDS[isa])
+    cpu.configure(build)
     return model
 
 
@@ -128,8 +130,8 @@ def _fused_and_per_op(model, step, torch_dtype, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])  # GQA, MQA, qkv bias, q/k norms
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_fused_decode_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch, isa):
-    model = _load(tiny_models[family], dtype, isa)
+def test_a_fused_decode_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch):
+    model = _load(tiny_models[family], dtype)
     torch_dtype = getattr(torch, dtype)
     step = _mixed_step(model, [5, 40, 17], [], 16)
     fused, per_op, kv_caches, per_op_caches = _fused_and_per_op(model, step, torch_dtype, monkeypatch)
@@ -141,10 +143,10 @@ def test_a_fused_decode_step_equals_the_per_op_step(tiny_models, family, dtype, 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_fused_mixed_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch, isa):
+def test_a_fused_mixed_step_equals_the_per_op_step(tiny_models, family, dtype, monkeypatch):
     """Decodes beside a prompt chunk after a cached prefix and a whole short prompt: the
     chunks' tokens attend causally, each up to itself, in the one call too."""
-    model = _load(tiny_models[family], dtype, isa)
+    model = _load(tiny_models[family], dtype)
     torch_dtype = getattr(torch, dtype)
     rows = c_kernel_max_rows(torch_dtype)
     chunks = [(21, rows // 2 - 3), (0, rows // 2 - 2)]  # with the 3 decodes below: one row short of the limit
@@ -175,3 +177,32 @@ def test_steps_of_many_rows_or_tensor_parallel_keep_the_per_op_path(tiny_llama):
     h16 = torch.zeros(16, h.shape[1])
     assert cpu_step.applies(model, h16, chunk_at(16 * 64), kv)
     assert not cpu_step.applies(model, h16, chunk_at(16 * 65), kv)  # 16 x 1040 > MAX_PROMPT_ATTENTION_PAIRS
+
+
+def test_a_deep_prompt_chunk_stays_in_one_call_where_attention_has_amx_tiles(tiny_llama):
+    """Past MAX_PROMPT_ATTENTION_PAIRS the one call is kept only where its prompt attention
+    runs in AMX tiles (cheaper than SDPA there); the fp32 loop of the other builds is not."""
+    model = _load(tiny_llama, "bfloat16")
+    shape = (70, 16, model.shard.num_kv_heads, model.arch.head_dim)
+    kv = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+    seq = PrefillSeq(query_start=0, query_len=16, context_len=16 * 65, block_ids=torch.arange(65))
+    meta = AttentionMetadata(torch.arange(16), 0, torch.zeros(0, 65, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), (seq,))
+    h16 = torch.zeros(16, model.arch.hidden_size, dtype=torch.bfloat16)
+    assert cpu.amx_tiles() == (detect().amx and not cpu.isa_flags())  # the native build only
+    assert cpu_step.applies(model, h16, meta, kv) == cpu.amx_tiles()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_per_op_prompt_attention_in_c_equals_sdpa(tiny_models, family, monkeypatch):
+    """Op by op, prompt chunks after cached context attend in the C kernel where it has AMX
+    tiles (attention.prompt_attention_in_c), in torch's SDPA elsewhere: the same step both
+    ways agrees within bf16 rounding (P is rounded to bf16 in both)."""
+    model = _load(tiny_models[family], "bfloat16")
+    input_ids, positions, meta, num_blocks = _mixed_step(model, [5, 40], [(37, 30), (80, 20)], 16)
+    shape = (num_blocks, 16, model.shard.num_kv_heads, model.arch.head_dim)
+    kv_caches = [(torch.randn(shape).to(torch.bfloat16), torch.randn(shape).to(torch.bfloat16)) for _ in range(model.arch.num_layers)]
+    monkeypatch.setattr(cpu_step, "applies", lambda *args: False)
+    got = model(input_ids, positions, [(k.clone(), v.clone()) for k, v in kv_caches], meta)
+    monkeypatch.setattr(attention, "prompt_attention_in_c", lambda *args: False)
+    want = model(input_ids, positions, kv_caches, meta)
+    torch.testing.assert_close(got, want, atol=0.04, rtol=0.02)
