@@ -43,10 +43,11 @@ def reference(engine_config):
 
 
 @pytest.fixture(scope="module")
-def slow_prefill_config(engine_config, tmp_path_factory):
+def wide_model_config(engine_config, tmp_path_factory):
     """The tiny checkpoint's tokenizer on a model wide enough that prefilling a few hundred
-    tokens takes seconds, not milliseconds: long enough to see a prefill replica busy
-    (from outside, through stats calls) and kill it there."""
+    tokens takes seconds, not milliseconds, and a stream of a few hundred tokens outlasts a
+    redeploy: long enough to see a replica busy (from outside, through stats calls or
+    Serve) and kill or remove it there."""
     model = make_model(
         "qwen2",
         "tiny",
@@ -114,18 +115,18 @@ def test_streams_go_on_when_their_decode_replica_is_killed(live, client, referen
 
 
 @pytest.mark.parametrize(("policy", "prefills"), [("recompute", 1), ("retry", 2)])
-def test_prompts_survive_their_prefill_replica_being_killed(live, client, slow_prefill_config, policy, prefills):
+def test_prompts_survive_their_prefill_replica_being_killed(live, client, wide_model_config, policy, prefills):
     """A prefill replica dies while it computes long prompts: the decode worker computes
     them itself (recompute, the default) or asks the other prefill replica (retry)."""
     live.redeploy(
         decodes=1,
         prefills=prefills,
         transport=TransportConfig(timeout_s=10.0, failure_policy=policy),
-        engine=slow_prefill_config,
+        engine=wide_model_config,
     )
     # Prompts of their own (no cache anywhere holds them), so the prefill replica has real work to die in.
     prompts = [f"Long prompt {i} under {policy}: " + "the fox runs over the hill and back again " * 14 for i in range(6)]
-    expected = greedy_texts(slow_prefill_config)(prompts, 16)  # (the fault is in the prefill: a short decode will do)
+    expected = greedy_texts(wide_model_config)(prompts, 16)  # (the fault is in the prefill: a short decode will do)
     streams = Streams(client, prompts, 16)
     busy = []
     assert wait_until(lambda: busy.extend(s for s in worker_stats(live, "prefill") if s["running"] + s["waiting"]) or busy, 60, 0.05)
@@ -137,10 +138,10 @@ def test_prompts_survive_their_prefill_replica_being_killed(live, client, slow_p
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
 
 
-def test_a_client_gone_during_the_hand_off_frees_blocks_on_both_tiers(live, slow_prefill_config):
+def test_a_client_gone_during_the_hand_off_frees_blocks_on_both_tiers(live, wide_model_config):
     """The client disconnects while its prompt is on the prefill replica and the decode
     replica holds blocks reserved for its KV: both tiers abort it and free every block."""
-    live.redeploy(engine=slow_prefill_config)
+    live.redeploy(engine=wide_model_config)
     aborted = lambda: {t: sum(s["finished"].get("abort", 0) for s in ws.values())  # noqa: E731
                        for t, ws in live.handle.worker_stats.remote().result().items()}
     before = aborted()
@@ -159,16 +160,18 @@ def test_a_client_gone_during_the_hand_off_frees_blocks_on_both_tiers(live, slow
     assert after["prefill"] == before["prefill"] + 1 and after["decode"] == before["decode"] + 1
 
 
-def test_streams_on_a_replica_removed_by_scale_down_finish_elsewhere(live, client, reference):
+def test_streams_on_a_replica_removed_by_scale_down_finish_elsewhere(live, client, wide_model_config):
     """Scale-down with no drain time: the removed replica's streams are handed to the
-    one that stays (a longer drain_timeout_s lets them finish where they are)."""
-    live.redeploy(decodes=2, drain_timeout_s=0.0)
+    one that stays (a longer drain_timeout_s lets them finish where they are). The wide
+    model's streams outlast the redeploy; the tiny one's could end before Serve stopped
+    the replica, and then nothing was left to hand over."""
+    live.redeploy(decodes=2, drain_timeout_s=0.0, engine=wide_model_config)
     prompts = [f"Scale-down {i}: the fox and its {i} friends went" for i in range(8)]
-    expected = reference(prompts, 400)
+    expected = greedy_texts(wide_model_config)(prompts, 200)
     before = counter(live, "pdserve_request_migrations_total")
-    streams = Streams(client, prompts, 400)
+    streams = Streams(client, prompts, 200)  # ~60 tokens in when the redeploy returns
     assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
-    live.redeploy(decodes=1, drain_timeout_s=0.0)
+    live.redeploy(decodes=1, drain_timeout_s=0.0, engine=wide_model_config)
 
     assert streams.texts() == expected
     assert counter(live, "pdserve_request_migrations_total") - before >= 1
