@@ -147,7 +147,7 @@ class Attention(nn.Module):
         if start > 0 and prompt_attention_in_c(q, k_cache):  # every row reads the cache (its own K/V is stored)
             tables = seq.block_ids.to(torch.int32).expand(seq.query_len, -1)
             lens = torch.arange(start + 1, seq.context_len + 1, dtype=torch.int32)
-            return paged_attention_decode(q, k_cache, v_cache, tables, lens, self.scale)
+            return cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, self.scale)
         if start > 0:  # part of the context is only in the cache: read it back
             k = k_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]  # [L, Hk, D]
             v = v_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]

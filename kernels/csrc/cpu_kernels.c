@@ -876,11 +876,6 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
             const int64_t h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
             const int64_t L = context_lens[b0 + R - 1], nq = (h1 - h0) * G;
             if (L > 0) {
-                if (R * L * nq > cap) {
-                    cap = R * L * nq;
-                    free(scores);
-                    scores = malloc(cap * sizeof(float));
-                }
                 for (int64_t r = 0; r < R; r++) {
                     float *qr = qf + r * nq * D;
                     load_row(qr, at(q, (b0 + r) * q_stride + h0 * G * D, q_dtype), nq * D, q_dtype);
@@ -893,19 +888,24 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                     }
                 }
 #if defined(HAVE_AMX)
-                if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0 && R * G >= AMX_ATTEND_MIN_ROWS && amx_permitted()) {
+                if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0 && R * G >= AMX_ATTEND_MIN_ROWS && amx_permitted())
                     amx_attend(acc, qf, k_cache, v_cache, block_tables + b0 * table_stride, context_lens + b0, R,
                                block_size, row, h0, h1, G, D, scale);
-                    goto store;
-                }
+                else
 #endif
-                for (int64_t i = 0; i < R * nq * D; i++) qf[i] *= scale;
-                attend(acc, qf, scores, blk, k_cache, v_cache, kv_dtype, block_tables + b0 * table_stride,
-                       context_lens + b0, R, block_size, row, h0, h1, G, D);
+                {
+                    if (R * L * nq > cap) {
+                        cap = R * L * nq;
+                        free(scores);
+                        scores = malloc(cap * sizeof(float));
+                    }
+                    for (int64_t i = 0; i < R * nq * D; i++) qf[i] *= scale;
+                    attend(acc, qf, scores, blk, k_cache, v_cache, kv_dtype, block_tables + b0 * table_stride,
+                           context_lens + b0, R, block_size, row, h0, h1, G, D);
+                }
             } else {
                 memset(acc, 0, R * nq * D * sizeof(float));
             }
-        store:
             for (int64_t r = 0; r < R; r++)
                 store_row(at(out, ((b0 + r) * Hq + h0 * G) * D, q_dtype), acc + r * nq * D, nq * D, q_dtype);
         }

@@ -5,7 +5,8 @@ tests/unit/test_cpu_kernels.py's ISA_BUILDS.
 
 Exactness: the fused calls round every intermediate where the per-op path does, so they give
 the same bits; only silu_mul differs, by SiLU's exp (within an ulp before rounding), and a
-prompt chunk's attention (exact fp32 here, torch's SDPA on the per-op path)."""
+prompt chunk's attention (exact fp32 here, or AMX tiles with P in bf16; torch's SDPA or the
+same C attention on the per-op path)."""
 
 
 import pytest
