@@ -15,7 +15,7 @@ Invariants shared by every function:
     libgomp is the one loaded, so the pool is shared, not doubled).
 */
 #include <math.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
@@ -124,6 +124,10 @@ static void normalize_row(float *row, const float *wf, int64_t H, float eps, int
 
 static inline vecf load_vec(const void *p, int dtype) {
     vecf f;
+#if VLEN == 16
+    if (dtype == BF16) /* one widening load (GCC's generic conversion takes two halves and an insert) */
+        return (vecf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#endif
     if (dtype == BF16) {
         vech h;
         memcpy(&h, p, sizeof h);
@@ -556,16 +560,6 @@ void pd_store_kv(const void *key, int64_t k_stride, const void *value, int64_t v
 
 /* ---- attention over the paged KV cache: each row a query token with its own context ---- */
 
-/* One cache block's rows [n, piece] -> fp32 blk [n, piece]: KV heads [h0, h0 + piece / D). */
-static void load_block(float *blk, const void *cache, int dtype, int64_t first, int64_t n, int64_t row, int64_t h0,
-                       int64_t D, int64_t piece) {
-    if (piece == row) {
-        load_row(blk, at(cache, first * row, dtype), n * row, dtype); /* whole rows: one run */
-    } else {
-        for (int64_t j = 0; j < n; j++) load_row(blk + j * piece, at(cache, (first + j) * row + h0 * D, dtype), piece, dtype);
-    }
-}
-
 /* The cache block after block b of a sequence (NULL after its last), and a part i of parts
    of it to prefetch: asked for a part per head while block b computes, the next block is in
    cache when its turn comes. Blocks lie anywhere in the cache, so the hardware prefetcher
@@ -580,47 +574,197 @@ static inline void prefetch_part(const char *block, int64_t bytes, int64_t i, in
         for (int64_t off = i * bytes / parts & ~(int64_t)63; off < (i + 1) * bytes / parts; off += 64) __builtin_prefetch(block + off);
 }
 
-/* Block b of a sequence into blk; returns its positions, and sets *next to the block after it. */
-static int64_t take_block(float *blk, const void *cache, int dtype, const int32_t *table, int64_t b, int64_t L,
-                          int64_t block_size, int64_t row, int64_t h0, int64_t D, int64_t piece, const char **next) {
-    const int64_t p0 = b * block_size, n = L - p0 < block_size ? L - p0 : block_size;
-    load_block(blk, cache, dtype, (int64_t)table[b] * block_size, n, row, h0, D, piece);
-    *next = block_after(cache, dtype, table, b, L, block_size, row);
-    return n;
+static inline float load_one(const void *p, int64_t i, const int dtype) {
+    return dtype == BF16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Attention of R query rows of one sequence (a decode token, or consecutive tokens of a
-   prompt chunk: they share the block table, and row r sees the cache's first L[r]
-   positions), each with its query heads [h0 * G, h1 * G) (KV heads [h0, h1)): qf
-   [R, nq, D] pre-scaled fp32, acc [R, nq, D] out, scores [R, nq, max L] and blk
-   [block_size, row] scratch. Exact softmax in fp32: all scores first, then the weights.
-   The cache is read a block at a time into blk (fp32, L1-resident) once for all R rows,
-   so the value sums keep their accumulators in registers across the block's positions. */
-static void attend(float *acc, const float *qf, float *scores, float *blk, const void *k_cache, const void *v_cache,
-                   int kv_dtype, const int32_t *table, const int32_t *L, int64_t R, int64_t block_size, int64_t row,
-                   int64_t h0, int64_t h1, int64_t G, int64_t D) {
-    const int64_t nq = (h1 - h0) * G, piece = (h1 - h0) * D, DV = D & ~(int64_t)(VLEN - 1);
-    const int64_t block_bytes = block_size * row * (kv_dtype == BF16 ? 2 : 4), Lmax = L[R - 1];
-    for (int64_t b = 0, p0 = 0; p0 < Lmax; b++, p0 += block_size) {
-        const char *next;
-        const int64_t n = take_block(blk, k_cache, kv_dtype, table, b, Lmax, block_size, row, h0, D, piece, &next);
+/* Query heads taken together by the attention's inner loops: each cache vector is loaded
+   once for all of them, and their sums are independent chains (one alone waits on FMA
+   latency). Value sums keep HEADS x VALUE_VECS accumulators in registers. */
+#define ATTEND_HEADS 4
+#define VALUE_VECS (VLEN >= 16 ? 4 : 2)
+/* Cache rows attend's passes take at a time (or a whole block, if smaller; both are powers of two) */
+#define ROW_GROUP 16
+#define HEAD_CASES(CALL)                                                                                       \
+    switch (heads) {                                                                                           \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    default: CALL(4); break;                                                                                   \
+    }
+
+/* s[i * s_stride] = q_i . k for the `heads` query heads q_i (fp32, D apart at q) and one
+   cache row k (dtype). */
+static inline __attribute__((always_inline)) void head_scores(float *s, int64_t s_stride, const float *q, const void *k,
+                                                              int64_t D, const int heads, const int dtype) {
+    const int64_t DV = D & ~(int64_t)(VLEN - 1);
+    vecf dot[ATTEND_HEADS] = {{0}};
+    for (int64_t d = 0; d < DV; d += VLEN) {
+        const vecf kv = load_vec(at(k, d, dtype), dtype);
+        for (int i = 0; i < heads; i++) dot[i] += load_vec(q + i * D + d, F32) * kv;
+    }
+    for (int i = 0; i < heads; i++) {
+        float sum = hsum(dot[i]);
+        for (int64_t d = DV; d < D; d++) sum += q[i * D + d] * load_one(k, d, dtype);
+        s[i * s_stride] = sum;
+    }
+}
+
+/* acc_i += sum_j w_i[j] v_j over dims [d0, d0 + VECS VLEN), for the `heads` query heads (acc_i
+   at acc + i D, w_i at w + i w_stride) and n cache rows v_j (dtype, row apart from v). */
+static inline __attribute__((always_inline)) void head_values_at(float *acc, const float *w, int64_t w_stride,
+                                                                 const void *v, int64_t row, int64_t n, int64_t D,
+                                                                 int64_t d0, const int VECS, const int heads,
+                                                                 const int dtype) {
+    vecf a[ATTEND_HEADS][VALUE_VECS];
+    for (int i = 0; i < heads; i++)
+        for (int c = 0; c < VECS; c++) a[i][c] = load_vec(acc + i * D + d0 + c * VLEN, F32);
+    for (int64_t j = 0; j < n; j++) {
+        vecf vv[VALUE_VECS];
+        for (int c = 0; c < VECS; c++) vv[c] = load_vec(at(v, j * row + d0 + c * VLEN, dtype), dtype);
+        for (int i = 0; i < heads; i++) {
+            const float wj = w[i * w_stride + j];
+            for (int c = 0; c < VECS; c++) a[i][c] += wj * vv[c];
+        }
+    }
+    for (int i = 0; i < heads; i++)
+        for (int c = 0; c < VECS; c++) memcpy(acc + i * D + d0 + c * VLEN, &a[i][c], sizeof(vecf));
+}
+
+/* head_values_at over all D dims: whole chunks of VALUE_VECS vectors, then single vectors,
+   then the scalar tail (constant counts in each call: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void head_values(float *acc, const float *w, int64_t w_stride, const void *v,
+                                                              int64_t row, int64_t n, int64_t D, const int heads,
+                                                              const int dtype) {
+    const int64_t DV = D & ~(int64_t)(VLEN - 1);
+    int64_t d0 = 0;
+    for (; d0 + VALUE_VECS * VLEN <= DV; d0 += VALUE_VECS * VLEN)
+        head_values_at(acc, w, w_stride, v, row, n, D, d0, VALUE_VECS, heads, dtype);
+    for (; d0 < DV; d0 += VLEN) head_values_at(acc, w, w_stride, v, row, n, D, d0, 1, heads, dtype);
+    for (int i = 0; i < heads; i++)
+        for (int64_t d = DV; d < D; d++)
+            for (int64_t j = 0; j < n; j++) acc[i * D + d] += w[i * w_stride + j] * load_one(v, j * row + d, dtype);
+}
+
+/* The two passes of attend over the cache (dtype a constant in each instance): all scores,
+   then, once scores holds the softmax weights, the value sums. Each cache row is read in
+   place, once per pass for all R rows and all of its KV head's query heads. */
+static inline __attribute__((always_inline)) void attend_pass(int values, float *acc, const float *qf, float *scores,
+                                                              const void *cache, const int dtype, const int32_t *table,
+                                                              const int32_t *L, int64_t R, int64_t block_size, int64_t row,
+                                                              int64_t h0, int64_t h1, int64_t G, int64_t D) {
+    const int64_t nq = (h1 - h0) * G, Lmax = L[R - 1];
+    const int64_t block_bytes = block_size * row * (dtype == BF16 ? 2 : 4);
+    /* a group of cache rows at a time, all their heads before the next rows: a block is read
+       in order (the hardware prefetcher's pattern), whatever its size */
+    const int64_t group = block_size < ROW_GROUP ? block_size : ROW_GROUP, groups = block_size / group;
+    for (int64_t p0 = 0; p0 < Lmax; p0 += group) {
+        const int64_t b = p0 / block_size, gi = p0 % block_size / group;
+        const char *block = at(cache, ((int64_t)table[b] * block_size + gi * group) * row, dtype);
+        const char *next = block_after(cache, dtype, table, b, Lmax, block_size, row);
         for (int64_t r = 0; r < R; r++) {
-            const int64_t nr = L[r] - p0 < n ? L[r] - p0 : n; /* the block's positions row r sees */
+            const int64_t nr = L[r] - p0 < group ? L[r] - p0 : group; /* the rows row r sees */
             for (int64_t h = 0; h < h1 - h0; h++) {
-                for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
+                const char *kv = at(block, (h0 + h) * D, dtype);
+                if (r == 0)
+                    for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
+                        prefetch_part(next, block_bytes, gi * nq + hq, groups * nq);
+                for (int64_t hq = h * G; hq < (h + 1) * G; hq += ATTEND_HEADS) {
+                    const int heads = (h + 1) * G - hq < ATTEND_HEADS ? (int)((h + 1) * G - hq) : ATTEND_HEADS;
+                    float *sh = scores + (r * nq + hq) * Lmax + p0;
+                    /* a constant head count in each call: the accumulators stay in registers */
+                    if (values) {
+                        float *ah = acc + (r * nq + hq) * D;
+#define VALUES(H) head_values(ah, sh, Lmax, kv, row, nr, D, H, dtype)
+                        HEAD_CASES(VALUES)
+#undef VALUES
+                        continue;
+                    }
                     const float *qh = qf + (r * nq + hq) * D;
-                    if (r == 0) prefetch_part(next, block_bytes, hq, nq);
                     for (int64_t j = 0; j < nr; j++) {
-                        const float *kh = blk + j * piece + h * D;
-                        vecf dot = {0};
-                        for (int64_t d = 0; d < DV; d += VLEN) dot += load_vec(qh + d, F32) * load_vec(kh + d, F32);
-                        float s = hsum(dot);
-                        for (int64_t d = DV; d < D; d++) s += qh[d] * kh[d];
-                        scores[(r * nq + hq) * Lmax + p0 + j] = s;
+#define SCORES(H) head_scores(sh + j, Lmax, qh, at(kv, j * row, dtype), D, H, dtype)
+                        HEAD_CASES(SCORES)
+#undef SCORES
                     }
                 }
             }
         }
+    }
+}
+
+#if defined(HAVE_AMX)
+/* attend's scores in AMX tiles, for rows whose query heads fit one tile's 16 columns (R G <=
+   AMX_SCORE_COLUMNS: a decode token's heads; amx_attend takes R G >= 16): per KV head,
+   S^T = K Q^T, with K's tiles (16 positions x 32 dims) loaded as the cache holds them and Q^T
+   packed once into [16 dim pairs x 16 columns x 2] tiles, column r G + g for row r's query
+   head g. Products of bf16 are exact in fp32, so only the order of the sums departs from
+   head_scores. Needs bf16 queries (qf holds them exactly, unscaled) and cache, D % 32 == 0,
+   and block_size % 16 == 0 so that a tile's rows lie in one block (rows past a row's context
+   are computed and dropped). */
+#define AMX_SCORE_COLUMNS 16
+static void amx_scores(float *scores, const float *qf, float scale, const void *k_cache, const int32_t *table,
+                       const int32_t *L, int64_t R, int64_t block_size, int64_t row, int64_t h0, int64_t h1, int64_t G,
+                       int64_t D) {
+    const int64_t heads = h1 - h0, nq = heads * G, Lmax = L[R - 1], KT = D / 32, block_bytes = block_size * row * 2;
+    bf16_t *qt = aligned_alloc(64, heads * KT * 512 * sizeof(bf16_t)); /* per KV head, KT tiles of Q^T */
+    float sums[16 * AMX_SCORE_COLUMNS] __attribute__((aligned(64)));
+    memset(qt, 0, heads * KT * 512 * sizeof(bf16_t));
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = 0; d < D; d++)
+                    qt[((h * KT + d / 32) * 16 + d % 32 / 2) * 32 + (r * G + g) * 2 + d % 2] =
+                        f32_to_bf16(qf[(r * nq + h * G + g) * D + d]);
+    amx_configure();
+    for (int64_t p0 = 0; p0 < Lmax; p0 += 16) { /* 16 rows, all heads, then the next (as attend_pass) */
+        const int64_t b = p0 / block_size, gi = p0 % block_size / 16, groups = block_size / 16;
+        const bf16_t *rows = (const bf16_t *)k_cache + ((int64_t)table[b] * block_size + gi * 16) * row;
+        const char *next = block_after(k_cache, BF16, table, b, Lmax, block_size, row);
+        for (int64_t h = 0; h < heads; h++) {
+            prefetch_part(next, block_bytes, gi * heads + h, groups * heads);
+            _tile_zero(0);
+            for (int64_t t = 0; t < KT; t++) {
+                _tile_loadd(2, rows + (h0 + h) * D + 32 * t, row * 2);
+                _tile_loadd(3, qt + (h * KT + t) * 512, 64);
+                _tile_dpbf16ps(0, 2, 3);
+            }
+            _tile_stored(0, sums, AMX_SCORE_COLUMNS * 4);
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t nr = L[r] - p0 < 16 ? L[r] - p0 : 16;
+                for (int64_t g = 0; g < G; g++) {
+                    float *sh = scores + (r * nq + h * G + g) * Lmax + p0;
+                    for (int64_t j = 0; j < nr; j++) sh[j] = scale * sums[j * AMX_SCORE_COLUMNS + r * G + g];
+                }
+            }
+        }
+    }
+    _tile_release();
+    free(qt);
+}
+#endif
+
+/* Attention of R query rows of one sequence (a decode token, or consecutive tokens of a
+   prompt chunk: they share the block table, and row r sees the cache's first L[r]
+   positions), each with its query heads [h0 * G, h1 * G) (KV heads [h0, h1)): qf
+   [R, nq, D] fp32 (scaled here: scratch), acc [R, nq, D] out, scores [R, nq, max L]
+   scratch. Exact softmax in fp32: all scores first, then the weights. */
+static void attend(float *acc, float *qf, int q_dtype, float scale, float *scores, const void *k_cache,
+                   const void *v_cache, int kv_dtype, const int32_t *table, const int32_t *L, int64_t R,
+                   int64_t block_size, int64_t row, int64_t h0, int64_t h1, int64_t G, int64_t D) {
+    const int64_t nq = (h1 - h0) * G, Lmax = L[R - 1];
+#if defined(HAVE_AMX)
+    if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0 && block_size % 16 == 0 && R * G <= AMX_SCORE_COLUMNS &&
+        amx_permitted()) {
+        amx_scores(scores, qf, scale, k_cache, table, L, R, block_size, row, h0, h1, G, D);
+    } else
+#endif
+    {
+        (void)q_dtype;
+        for (int64_t i = 0; i < R * nq * D; i++) qf[i] *= scale;
+        if (kv_dtype == BF16)
+            attend_pass(0, acc, qf, scores, k_cache, BF16, table, L, R, block_size, row, h0, h1, G, D);
+        else
+            attend_pass(0, acc, qf, scores, k_cache, F32, table, L, R, block_size, row, h0, h1, G, D);
     }
     for (int64_t r = 0; r < R; r++)
         for (int64_t hq = 0; hq < nq; hq++) {
@@ -629,44 +773,16 @@ static void attend(float *acc, const float *qf, float *scores, float *blk, const
 #pragma omp simd reduction(max : m)
             for (int64_t p = 0; p < Lr; p++) m = sh[p] > m ? sh[p] : m;
             for (int64_t p = 0; p < Lr; p++) sh[p] = exp_nonpositive(sh[p] - m);
+#pragma omp simd reduction(+ : sum)
             for (int64_t p = 0; p < Lr; p++) sum += sh[p];
             const float inv = 1.f / sum;
             for (int64_t p = 0; p < Lr; p++) sh[p] *= inv;
         }
     memset(acc, 0, R * nq * D * sizeof(float));
-    for (int64_t b = 0, p0 = 0; p0 < Lmax; b++, p0 += block_size) {
-        const char *next;
-        const int64_t n = take_block(blk, v_cache, kv_dtype, table, b, Lmax, block_size, row, h0, D, piece, &next);
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t nr = L[r] - p0 < n ? L[r] - p0 : n;
-            for (int64_t h = 0; h < h1 - h0; h++) {
-                for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
-                    if (r == 0) prefetch_part(next, block_bytes, hq, nq);
-                    const float *w = scores + (r * nq + hq) * Lmax + p0, *vh = blk + h * D;
-                    float *ah = acc + (r * nq + hq) * D;
-                    int64_t d = 0;
-                    for (; d + 4 * VLEN <= D; d += 4 * VLEN) { /* four independent chains: FMA latency hidden */
-                        vecf a0 = load_vec(ah + d, F32), a1 = load_vec(ah + d + VLEN, F32);
-                        vecf a2 = load_vec(ah + d + 2 * VLEN, F32), a3 = load_vec(ah + d + 3 * VLEN, F32);
-                        for (int64_t j = 0; j < nr; j++) {
-                            const float *v = vh + j * piece + d;
-                            a0 += w[j] * load_vec(v, F32), a1 += w[j] * load_vec(v + VLEN, F32);
-                            a2 += w[j] * load_vec(v + 2 * VLEN, F32), a3 += w[j] * load_vec(v + 3 * VLEN, F32);
-                        }
-                        memcpy(ah + d, &a0, sizeof a0), memcpy(ah + d + VLEN, &a1, sizeof a1);
-                        memcpy(ah + d + 2 * VLEN, &a2, sizeof a2), memcpy(ah + d + 3 * VLEN, &a3, sizeof a3);
-                    }
-                    for (; d < DV; d += VLEN) {
-                        vecf a = load_vec(ah + d, F32);
-                        for (int64_t j = 0; j < nr; j++) a += w[j] * load_vec(vh + j * piece + d, F32);
-                        memcpy(ah + d, &a, sizeof a);
-                    }
-                    for (int64_t d = DV; d < D; d++)
-                        for (int64_t j = 0; j < nr; j++) ah[d] += w[j] * blk[j * piece + h * D + d];
-                }
-            }
-        }
-    }
+    if (kv_dtype == BF16)
+        attend_pass(1, acc, qf, scores, v_cache, BF16, table, L, R, block_size, row, h0, h1, G, D);
+    else
+        attend_pass(1, acc, qf, scores, v_cache, F32, table, L, R, block_size, row, h0, h1, G, D);
 }
 
 #if defined(HAVE_AMX)
@@ -869,7 +985,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
         int64_t cap = 0;
         float *scores = NULL; /* [R, nq, L] */
         float *qf = malloc(longest * Hq * D * sizeof(float)), *acc = malloc(longest * Hq * D * sizeof(float));
-        float *blk = malloc(block_size * row * sizeof(float)), *cs = malloc(D * sizeof(float)), *rot = malloc(D * sizeof(float));
+        float *cs = malloc(D * sizeof(float)), *rot = malloc(D * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             const int64_t b0 = run_start[item / split], R = run_start[item / split + 1] - b0;
@@ -899,8 +1015,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                         free(scores);
                         scores = malloc(cap * sizeof(float));
                     }
-                    for (int64_t i = 0; i < R * nq * D; i++) qf[i] *= scale;
-                    attend(acc, qf, scores, blk, k_cache, v_cache, kv_dtype, block_tables + b0 * table_stride,
+                    attend(acc, qf, q_dtype, scale, scores, k_cache, v_cache, kv_dtype, block_tables + b0 * table_stride,
                            context_lens + b0, R, block_size, row, h0, h1, G, D);
                 }
             } else {
@@ -909,7 +1024,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
             for (int64_t r = 0; r < R; r++)
                 store_row(at(out, ((b0 + r) * Hq + h0 * G) * D, q_dtype), acc + r * nq * D, nq * D, q_dtype);
         }
-        free(scores), free(qf), free(acc), free(blk), free(cs), free(rot);
+        free(scores), free(qf), free(acc), free(cs), free(rot);
     }
     free(run_start);
 }
