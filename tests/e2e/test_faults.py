@@ -178,15 +178,17 @@ def test_streams_on_a_replica_removed_by_scale_down_finish_elsewhere(live, clien
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
 
 
-def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, client, reference):
+def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, client, wide_model_config):
     """SIGSTOP freezes a decode replica (a hung worker: alive to Ray, silent to its
     streams): after stall_timeout_s its streams continue on the other replica; once it
-    wakes up it aborts what it held."""
-    live.redeploy(decodes=2, routing=RoutingConfig(stall_timeout_s=2.0))
+    wakes up it aborts what it held. The wide model's streams outlast the stats call that
+    picks the victim; the tiny one's could end before the SIGSTOP landed, leaving nothing
+    to stall."""
+    live.redeploy(decodes=2, routing=RoutingConfig(stall_timeout_s=2.0), engine=wide_model_config)
     prompts = [f"Hang {i}: the fox number {i} sat down and" for i in range(8)]
-    expected = reference(prompts)
+    expected = greedy_texts(wide_model_config)(prompts, 200)
     before = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
-    streams = Streams(client, prompts)
+    streams = Streams(client, prompts, 200)
     assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
     victim = max(worker_stats(live, "decode"), key=lambda s: s["running"])
     assert victim["running"] > 0
