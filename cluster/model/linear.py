@@ -34,10 +34,15 @@ multiplies bf16 in AMX tiles of 16 rows (the same packed weight):
     fp32, packed                 16 / 21  21 / 22  25 / 25   37 / 30  60 / 41  107 / 65
     fp32 capped at AVX2, packed  18 / 25  21 / 31  25 / 37   34 / 44  52 / 58  89 / 89
 
-so the C kernel takes up to C_KERNEL_MAX_ROWS rows, oneDNN the rest. In bf16 with AMX it takes
-up to AMX_KERNEL_MAX_ROWS = 64: from 33 rows oneDNN's GEMM is a little faster per linear, but
-a step of up to 64 rows then runs in one C call, which saves more (a step of 16 decodes
-beside a 32-token prompt chunk, same machine: 39-42 ms in one call, 50-52 ms op by op).
+so the C kernel takes up to C_KERNEL_MAX_ROWS rows, oneDNN the rest. In native bf16 (AVX512-BF16
+or AMX) it takes up to WIDE_KERNEL_MAX_ROWS = 64: there oneDNN's GEMM is at best a little faster
+per linear from 33 rows, and a step of up to 64 rows then runs in one C call, which saves more.
+With AMX, a step of 16 decodes beside a 32-token prompt chunk: 39-42 ms in one call, 50-52 ms op
+by op. On the AMD EPYC with AVX-512-BF16 (2 threads, a step's linears, inputs reused, C vs
+oneDNN): 32 rows 21.2 vs 23.9 ms, 64 rows 37.5 vs 39.3 ms; and 16 decodes with 256-token
+prompts joining under the step budget (steps of ~52 rows) ran 42.7 ms a mixed step in one call
+against 58.1 ms op by op (offline, 64 requests 256 -> 64 at 16 running: 189 vs 144 tok/s).
+fp32 stays at C_KERNEL_MAX_ROWS: on the Intel Xeon oneDNN's fp32 GEMM wins from 32 rows.
 bf16 without native bf16 takes the C kernel at any row count (oneDNN cannot pack bf16 there,
 and F.linear emulates it 3x slower). A step whose rows the C
 kernel takes also runs all its layers in one C call (cluster/model/cpu_step.py), which
@@ -58,16 +63,14 @@ from kernels import cpu
 
 PACKED_MAX_ROWS = 256
 C_KERNEL_MAX_ROWS = 16
-AMX_KERNEL_MAX_ROWS = 64
+WIDE_KERNEL_MAX_ROWS = 64
 
 
 def c_kernel_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the C kernel beats the other paths on this CPU (the tables above)."""
-    if dtype == torch.bfloat16 and not detect().native_bf16:
-        return sys.maxsize
-    if dtype == torch.bfloat16 and detect().amx:
-        return AMX_KERNEL_MAX_ROWS
-    return C_KERNEL_MAX_ROWS if dtype in (torch.float32, torch.bfloat16) else 0
+    if dtype == torch.bfloat16:
+        return WIDE_KERNEL_MAX_ROWS if detect().native_bf16 else sys.maxsize
+    return C_KERNEL_MAX_ROWS if dtype == torch.float32 else 0
 
 
 def can_pack(weight: torch.Tensor) -> bool:

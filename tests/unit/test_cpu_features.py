@@ -110,18 +110,20 @@ def test_bf16_weights_are_prepacked_only_with_native_bf16_and_fp32_ones_everywhe
 
 
 def test_the_c_kernel_row_limit_follows_the_cpu(cpu):
-    """Every bf16 row count where bf16 is not native; more rows with AMX (linear.py's tables)."""
+    """Every bf16 row count where bf16 is not native; more bf16 rows where it is (linear.py's
+    tables); fp32 the same everywhere."""
     rows = linear.c_kernel_max_rows
     for flags in (SAPPHIRE_RAPIDS, ZEN4, AVX512, AVX2):
         cpu(flags)
         assert rows(torch.float32) == linear.C_KERNEL_MAX_ROWS and rows(torch.float16) == 0
-    cpu(ZEN4)
-    assert rows(torch.bfloat16) == linear.C_KERNEL_MAX_ROWS  # oneDNN's packed bf16 GEMM beyond
-    cpu(SAPPHIRE_RAPIDS)  # the C kernel's AMX tiles keep up further
-    assert rows(torch.bfloat16) == linear.AMX_KERNEL_MAX_ROWS and rows(torch.float32) == linear.C_KERNEL_MAX_ROWS
-    cpu(SAPPHIRE_RAPIDS, disabled="amx")
-    assert rows(torch.bfloat16) == linear.C_KERNEL_MAX_ROWS
-    cpu(AVX512)  # oneDNN cannot pack bf16 here, and F.linear only emulates it
+    for flags in (ZEN4, SAPPHIRE_RAPIDS):  # AVX512-BF16 dot products, or AMX tiles, keep up with oneDNN
+        cpu(flags)
+        assert rows(torch.bfloat16) == linear.WIDE_KERNEL_MAX_ROWS
+    cpu(SAPPHIRE_RAPIDS, disabled="amx")  # still AVX512-BF16
+    assert rows(torch.bfloat16) == linear.WIDE_KERNEL_MAX_ROWS
+    cpu(ZEN4, disabled="avx512_bf16")  # AVX-512 without native bf16: oneDNN cannot pack bf16, F.linear emulates it
+    assert rows(torch.bfloat16) > 100_000
+    cpu(AVX512)
     assert rows(torch.bfloat16) > 100_000
 
 
