@@ -48,6 +48,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "pd_packed_linear_numel": ([_i64, _i64, _i32], _i64),
     "pd_packed_linear_layout": ([_i32], _i32),
     "pd_amx_tiles": ([], _i32),
+    "pd_bf16_products": ([], _i32),
     "pd_pack_linear_weight": ([_p, _p, _i64, _i64, _i32], None),
     "pd_linear": ([_p, _i32, _p, _f32, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "pd_rms_norm": ([_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32], None),
@@ -162,6 +163,15 @@ def reload() -> None:
     _load.cache_clear()
     packed_layout.cache_clear()
     amx_tiles.cache_clear()
+    bf16_products.cache_clear()
+
+
+@functools.cache
+def bf16_products() -> bool:
+    """The loaded kernels multiply bf16 in hardware (AVX512-BF16 dot products, AMX tiles or
+    not): a prompt chunk's attention then runs faster here than in torch's SDPA."""
+    lib = library()
+    return lib is not None and bool(lib.pd_bf16_products())
 
 
 @functools.cache

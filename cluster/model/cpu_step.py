@@ -16,7 +16,8 @@ decode tokens both paths give the same bits but for SiLU's exp (tests/unit/test_
 checks it). A prompt chunk's token attends to its request's context up to itself: the C
 attention gets each row's own context length and its request's block table, and computes
 a chunk's tokens together (each cache block read once for all of them): in bf16 with AMX
-in tiles (P rounded to bf16, as torch's SDPA rounds it), elsewhere in exact fp32, so prompt
+in tiles, with AVX512-BF16 in dot products (P rounded to bf16 in both, as torch's SDPA rounds
+it), elsewhere in exact fp32, so prompt
 rows agree with the per-op path (the same C attention, or SDPA) within rounding.
 Why: at these row counts the ops are tiny, and on the per-op path each one's Python,
 dispatch and ctypes cost (5-10 us, ~15 ops a layer) added up to about a third of a
@@ -36,12 +37,12 @@ from kernels import cpu
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-# Without AMX tiles (attention.prompt_attention_in_c), a prompt chunk's rows attend here in
-# fp32 at about twice the cost per (row, context token) of torch's SDPA on the per-op path
-# (bf16, 2 threads: a step of 8 decodes + 56 prompt tokens costs 23 ms here vs 38 op by op
-# at context 0, about the same at context ~330, 92 vs 67 at context 1456); past this many
-# pairs in a step the per-op path is cheaper. With AMX tiles the C attention is the cheaper
-# at any context.
+# Where the C attention computes in fp32 FMAs (attention.prompt_attention_in_c is false: fp32,
+# or bf16 without AVX512-BF16), a prompt chunk's rows attend here at about SDPA's cost per
+# (row, context token) for short contexts and more for long ones (fp32 capped at AVX2, 2
+# threads, a layer: 32 tokens after 224 0.33 vs 0.31 ms, after 1024 1.27 vs 1.06 ms, 256 after
+# 1024 8.3 vs 6.3 ms); past this many pairs in a step the per-op path is cheaper. Where it
+# multiplies bf16 in hardware, the C attention is the cheaper at any context.
 MAX_PROMPT_ATTENTION_PAIRS = 16 * 1024
 
 

@@ -267,6 +267,16 @@ static inline __attribute__((always_inline)) void amx_blocks(const bf16_t *x, in
 }
 #endif
 
+/* Whether this build multiplies bf16 in hardware: AVX512-BF16 dot products (with AMX tiles or
+   not), in the linear and in a prompt chunk's attention (kernels/cpu.py: bf16_products). */
+int pd_bf16_products(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether this build multiplies in AMX tiles on this machine (kernels/cpu.py: amx_tiles). */
 int pd_amx_tiles(void) {
 #if defined(HAVE_AMX)
@@ -585,8 +595,9 @@ static inline float load_one(const void *p, int64_t i, const int dtype) {
 #define VALUE_VECS (VLEN >= 16 ? 4 : 2)
 /* Cache rows attend's passes take at a time (or a whole block, if smaller; both are powers of two) */
 #define ROW_GROUP 16
-#define HEAD_CASES(CALL)                                                                                       \
-    switch (heads) {                                                                                           \
+#define HEAD_CASES(CALL) HEAD_CASES_N(heads, CALL)
+#define HEAD_CASES_N(count, CALL)                                                                              \
+    switch (count) {                                                                                           \
     case 1: CALL(1); break;                                                                                    \
     case 2: CALL(2); break;                                                                                    \
     case 3: CALL(3); break;                                                                                    \
@@ -742,6 +753,213 @@ static void amx_scores(float *scores, const float *qf, float scale, const void *
     free(qt);
 }
 #endif
+
+/* ---- a run of many query rows (a prompt chunk's tokens) without AMX: both products as small GEMMs ----
+
+   attend reads each cache row in place for every query row, and a score is a horizontal sum per
+   (query, position): cheap for a decode token's few queries, slow for a chunk's many. Here, per
+   KV head, a group of VLEN positions is packed once for all M = R G query rows of the run:
+     S = Q K^T   K^T packed [D][VLEN positions], each query's VLEN scores one register of FMAs
+                 (AVX512-BF16 with a bf16 cache and bf16-exact queries: K^T in dimension pairs
+                 [D/2][16][2], vdpbf16ps; products of bf16 are exact in fp32 either way);
+     P = softmax(scale S) per row over its own context, exact fp32 (zero past it);
+     O = P V     V's group widened to fp32 once, value sums in registers (head_values).
+   Only the order of the sums departs from attend. Worth it from RUN_GEMM_MIN_QUERIES query rows. */
+#define RUN_GEMM_MIN_QUERIES 8
+#define SCORE_QUERIES (VLEN >= 16 ? 8 : 4) /* query rows per register block of scores */
+
+/* s[i * s_stride .. + VLEN) = q_i . K^T for QN queries q_i (D apart) and kt [D][VLEN] fp32. */
+static inline __attribute__((always_inline)) void group_scores(float *s, int64_t s_stride, const float *q, const float *kt,
+                                                               int64_t D, const int QN) {
+    vecf a[SCORE_QUERIES];
+    for (int i = 0; i < QN; i++) a[i] = (vecf){0};
+    for (int64_t d = 0; d < D; d++) {
+        const vecf kv = load_vec(kt + d * VLEN, F32);
+        for (int i = 0; i < QN; i++) a[i] += q[i * D + d] * kv;
+    }
+    for (int i = 0; i < QN; i++) memcpy(s + i * s_stride, &a[i], sizeof(vecf));
+}
+
+#if defined(__AVX512BF16__)
+/* The same from bf16 queries qb (D apart) and kt2 [D/2][16][2] bf16: one vdpbf16ps per pair. */
+static inline __attribute__((always_inline)) void group_scores_pairs(float *s, int64_t s_stride, const bf16_t *qb,
+                                                                     const uint32_t *kt2, int64_t D, const int QN) {
+    __m512 a[SCORE_QUERIES];
+    for (int i = 0; i < QN; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < D / 2; dp++) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt2 + dp * 16);
+        for (int i = 0; i < QN; i++) {
+            int32_t pair;
+            memcpy(&pair, qb + i * D + 2 * dp, 4);
+            a[i] = _mm512_dpbf16_ps(a[i], kv, (__m512bh)_mm512_set1_epi32(pair));
+        }
+    }
+    for (int i = 0; i < QN; i++) _mm512_storeu_ps(s + i * s_stride, a[i]);
+}
+
+/* o_i [D] += p_i . V for QN queries (o_i D apart; p_i: bf16 weights of the group's 16
+   positions, p_stride apart) and vt2 [8 position pairs][D][2] bf16: VECS vectors of dims at
+   a time from d0, one vdpbf16ps per position pair and vector. */
+static inline __attribute__((always_inline)) void group_values_pairs(float *o, const bf16_t *p, int64_t p_stride,
+                                                                     const uint32_t *vt2, int64_t D, int64_t d0,
+                                                                     const int VECS, const int QN) {
+    __m512 a[ATTEND_HEADS][VALUE_VECS];
+    for (int i = 0; i < QN; i++)
+        for (int c = 0; c < VECS; c++) a[i][c] = _mm512_loadu_ps(o + i * D + d0 + c * 16);
+    for (int64_t pp = 0; pp < 8; pp++) {
+        __m512bh vv[VALUE_VECS];
+        for (int c = 0; c < VECS; c++) vv[c] = (__m512bh)_mm512_loadu_si512(vt2 + pp * D + d0 + c * 16);
+        for (int i = 0; i < QN; i++) {
+            int32_t pair;
+            memcpy(&pair, p + i * p_stride + 2 * pp, 4);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < VECS; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], vv[c], w);
+        }
+    }
+    for (int i = 0; i < QN; i++)
+        for (int c = 0; c < VECS; c++) _mm512_storeu_ps(o + i * D + d0 + c * 16, a[i][c]);
+}
+#endif
+
+#define QUERY_CASES(CALL)                                                                                      \
+    switch (qn) {                                                                                              \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    case 4: CALL(4); break;                                                                                    \
+    QUERY_CASES_WIDE(CALL)                                                                                     \
+    }
+#if SCORE_QUERIES > 4
+#define QUERY_CASES_WIDE(CALL)                                                                                 \
+    case 5: CALL(5); break;                                                                                    \
+    case 6: CALL(6); break;                                                                                    \
+    case 7: CALL(7); break;                                                                                    \
+    default: CALL(8); break;
+#else
+#define QUERY_CASES_WIDE(CALL)
+#endif
+
+/* Cache-line-aligned scratch (aligned_alloc wants a whole number of lines). */
+static void *scratch(int64_t bytes) { return aligned_alloc(64, round_up(bytes, 64)); }
+
+/* The cache row of position pos of KV head h (dtype), through the block table. */
+static inline const void *cache_row(const void *cache, int dtype, const int32_t *table, int64_t pos, int64_t block_size,
+                                    int64_t row, int64_t h, int64_t D) {
+    return at(cache, ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row + h * D, dtype);
+}
+
+/* attend's arguments (qf unscaled), for R G >= RUN_GEMM_MIN_QUERIES and D % VLEN == 0. */
+static void run_attend(float *acc, const float *qf, int q_dtype, float scale, const void *k_cache, const void *v_cache,
+                       int kv_dtype, const int32_t *table, const int32_t *L, int64_t R, int64_t block_size, int64_t row,
+                       int64_t h0, int64_t h1, int64_t G, int64_t D) {
+    const int64_t nq = (h1 - h0) * G, M = R * G, Lmax = L[R - 1], LS = round_up(Lmax, VLEN);
+#if defined(__AVX512BF16__)
+    const int pairs = q_dtype == BF16 && kv_dtype == BF16; /* qf then holds bf16 values exactly */
+#else
+    const int pairs = 0;
+    (void)q_dtype;
+#endif
+    float *s = scratch(M * LS * sizeof(float)), *q = scratch(M * D * sizeof(float)), *o = scratch(M * D * sizeof(float));
+    float *kt = scratch(D * VLEN * sizeof(float)), *vg = scratch(VLEN * D * sizeof(float));
+    bf16_t *qb = scratch(M * D * sizeof(bf16_t)), *pb = scratch(M * LS * sizeof(bf16_t));
+    for (int64_t h = 0; h < h1 - h0; h++) {
+        for (int64_t m = 0; m < M; m++) { /* this head's query rows, contiguous: row m / G, head g = m % G */
+            const float *src = qf + ((m / G) * nq + h * G + m % G) * D;
+            if (pairs)
+                store_row(qb + m * D, src, D, BF16);
+            else
+                memcpy(q + m * D, src, D * sizeof(float));
+        }
+        int64_t first = 0; /* the first query row that sees the group: rows' contexts grow by one */
+        for (int64_t p0 = 0; p0 < Lmax; p0 += VLEN) {
+            const int64_t n = Lmax - p0 < VLEN ? Lmax - p0 : VLEN;
+            while (L[first / G] <= p0) first += G;
+            if (pairs) {
+#if defined(__AVX512BF16__)
+                uint32_t *kt2 = (uint32_t *)kt;
+                for (int64_t j = 0; j < VLEN; j++) {
+                    const uint32_t *kr = j < n ? cache_row(k_cache, BF16, table, p0 + j, block_size, row, h0 + h, D) : NULL;
+                    for (int64_t dp = 0; dp < D / 2; dp++) kt2[dp * VLEN + j] = kr ? kr[dp] : 0;
+                }
+                for (int64_t m = first; m < M; m += SCORE_QUERIES) {
+                    const int qn = M - m < SCORE_QUERIES ? (int)(M - m) : SCORE_QUERIES;
+#define PAIR_SCORES(QN) group_scores_pairs(s + m * LS + p0, LS, qb + m * D, kt2, D, QN)
+                    QUERY_CASES(PAIR_SCORES)
+#undef PAIR_SCORES
+                }
+#endif
+            } else {
+                for (int64_t j = 0; j < VLEN; j++) {
+                    const void *kr = j < n ? cache_row(k_cache, kv_dtype, table, p0 + j, block_size, row, h0 + h, D) : NULL;
+                    for (int64_t d = 0; d < D; d++) kt[d * VLEN + j] = kr ? load_one(kr, d, kv_dtype) : 0.f;
+                }
+                for (int64_t m = first; m < M; m += SCORE_QUERIES) {
+                    const int qn = M - m < SCORE_QUERIES ? (int)(M - m) : SCORE_QUERIES;
+#define F32_SCORES(QN) group_scores(s + m * LS + p0, LS, q + m * D, kt, D, QN)
+                    QUERY_CASES(F32_SCORES)
+#undef F32_SCORES
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++) { /* softmax over the row's own context; zero weights past it */
+            float *sm = s + m * LS, mx = -INFINITY, sum = 0.f;
+            const int64_t Lr = L[m / G];
+            for (int64_t p = 0; p < Lr; p++) sm[p] *= scale;
+#pragma omp simd reduction(max : mx)
+            for (int64_t p = 0; p < Lr; p++) mx = sm[p] > mx ? sm[p] : mx;
+            for (int64_t p = 0; p < Lr; p++) sm[p] = exp_nonpositive(sm[p] - mx);
+#pragma omp simd reduction(+ : sum)
+            for (int64_t p = 0; p < Lr; p++) sum += sm[p];
+            const float inv = 1.f / sum;
+            for (int64_t p = 0; p < Lr; p++) sm[p] *= inv;
+            for (int64_t p = Lr; p < LS; p++) sm[p] = 0.f;
+        }
+        memset(o, 0, M * D * sizeof(float));
+        first = 0;
+        if (pairs) {
+#if defined(__AVX512BF16__)
+            for (int64_t m = 0; m < M; m++) store_row(pb + m * LS, s + m * LS, LS, BF16);
+            uint32_t *vt2 = (uint32_t *)vg;
+            for (int64_t p0 = 0; p0 < Lmax; p0 += 16) {
+                while (L[first / G] <= p0) first += G;
+                for (int64_t pp = 0; pp < 8; pp++) { /* positions p0 + 2 pp and + 1, interleaved (zeros past Lmax) */
+                    const bf16_t *v0 = p0 + 2 * pp < Lmax ? cache_row(v_cache, BF16, table, p0 + 2 * pp, block_size, row, h0 + h, D) : NULL;
+                    const bf16_t *v1 = p0 + 2 * pp + 1 < Lmax ? cache_row(v_cache, BF16, table, p0 + 2 * pp + 1, block_size, row, h0 + h, D) : NULL;
+                    for (int64_t d = 0; d < D; d++) vt2[pp * D + d] = (v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
+                }
+                for (int64_t m = first; m < M; m += ATTEND_HEADS) {
+                    const int qn = M - m < ATTEND_HEADS ? (int)(M - m) : ATTEND_HEADS;
+                    int64_t d0 = 0;
+                    for (; d0 + VALUE_VECS * 16 <= D; d0 += VALUE_VECS * 16) {
+#define PAIR_VALUES(QN) group_values_pairs(o + m * D, pb + m * LS + p0, LS, vt2, D, d0, VALUE_VECS, QN)
+                        HEAD_CASES_N(qn, PAIR_VALUES)
+#undef PAIR_VALUES
+                    }
+                    for (; d0 < D; d0 += 16) {
+#define PAIR_VALUES(QN) group_values_pairs(o + m * D, pb + m * LS + p0, LS, vt2, D, d0, 1, QN)
+                        HEAD_CASES_N(qn, PAIR_VALUES)
+#undef PAIR_VALUES
+                    }
+                }
+            }
+#endif
+        } else
+        for (int64_t p0 = 0; p0 < Lmax; p0 += VLEN) {
+            const int64_t n = Lmax - p0 < VLEN ? Lmax - p0 : VLEN;
+            while (L[first / G] <= p0) first += G;
+            for (int64_t j = 0; j < n; j++)
+                load_row(vg + j * D, cache_row(v_cache, kv_dtype, table, p0 + j, block_size, row, h0 + h, D), D, kv_dtype);
+            for (int64_t m = first; m < M; m += ATTEND_HEADS) {
+                const int heads = M - m < ATTEND_HEADS ? (int)(M - m) : ATTEND_HEADS;
+#define VALUES(H) head_values(o + m * D, s + m * LS + p0, LS, vg, D, n, D, H, F32)
+                HEAD_CASES(VALUES)
+#undef VALUES
+            }
+        }
+        for (int64_t m = 0; m < M; m++) memcpy(acc + ((m / G) * nq + h * G + m % G) * D, o + m * D, D * sizeof(float));
+    }
+    free(s), free(q), free(o), free(kt), free(vg), free(qb), free(pb);
+}
 
 /* Attention of R query rows of one sequence (a decode token, or consecutive tokens of a
    prompt chunk: they share the block table, and row r sees the cache's first L[r]
@@ -949,10 +1167,17 @@ static void amx_attend(float *acc, const float *qf, const void *k_cache, const v
    packs a run's K and V once for all its rows (a 256-token chunk after 1024 cached tokens,
    AMX, 1 thread: ~10% faster than with runs of 32). */
 #define RUN_MAX_ROWS 64
+#define RUN_MIN_ROWS 16
+
+/* Run i's attention work: its rows times its longest context. */
+static inline int64_t run_work(const int64_t *run_start, const int32_t *lens, int64_t i) {
+    return (run_start[i + 1] - run_start[i]) * lens[run_start[i + 1] - 1];
+}
+
 static int64_t run_length(const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t b, int64_t B,
-                          int64_t block_size) {
+                          int64_t block_size, int64_t max_rows) {
     int64_t n = 1;
-    while (b + n < B && n < RUN_MAX_ROWS && lens[b + n] == lens[b + n - 1] + 1 && lens[b + n - 1] > 0 &&
+    while (b + n < B && n < max_rows && lens[b + n] == lens[b + n - 1] + 1 && lens[b + n - 1] > 0 &&
            memcmp(tables + (b + n - 1) * table_stride, tables + (b + n) * table_stride,
                   (lens[b + n] + block_size - 1) / block_size * sizeof(int32_t)) == 0)
         n++;
@@ -973,12 +1198,27 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                              const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, int64_t B,
                              int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int nthreads) {
     const int64_t G = Hq / Hk, row = Hk * D;
-    int64_t *run_start = malloc((B + 1) * sizeof(int64_t)), runs = 0, longest = 1;
-    for (int64_t b = 0; b < B; b += run_length(block_tables, table_stride, context_lens, b, B, block_size)) {
-        run_start[runs++] = b;
+    int64_t *run_start = malloc((B + 1) * sizeof(int64_t)), *order = malloc(B * sizeof(int64_t)), runs = 0, longest = 1;
+    /* Runs of up to RUN_MAX_ROWS, halved (down to RUN_MIN_ROWS) until every thread has two
+       items or more: a lone 32-token chunk of 3 KV heads is 3 items, one thread's 2 the
+       step's critical path. */
+    for (int64_t max_rows = RUN_MAX_ROWS;; max_rows /= 2) {
+        runs = 0, longest = 1;
+        for (int64_t b = 0; b < B; b += run_length(block_tables, table_stride, context_lens, b, B, block_size, max_rows))
+            run_start[runs++] = b;
+        run_start[runs] = B;
+        for (int64_t i = 0; i < runs; i++)
+            longest = run_start[i + 1] - run_start[i] > longest ? run_start[i + 1] - run_start[i] : longest;
+        if (longest == 1 || runs * Hk >= 2 * nthreads || max_rows / 2 < RUN_MIN_ROWS) break;
     }
-    run_start[runs] = B;
-    for (int64_t i = 0; i < runs; i++) longest = run_start[i + 1] - run_start[i] > longest ? run_start[i + 1] - run_start[i] : longest;
+    /* Largest runs first (rows x context): the small items that come last even out the threads. */
+    for (int64_t i = 0; i < runs; i++) order[i] = i;
+    if (longest > 1)
+        for (int64_t i = 1; i < runs; i++)
+            for (int64_t j = i; j > 0 && run_work(run_start, context_lens, order[j]) > run_work(run_start, context_lens, order[j - 1]); j--) {
+                const int64_t t = order[j];
+                order[j] = order[j - 1], order[j - 1] = t;
+            }
     const int64_t split = runs < nthreads || longest > 1 ? Hk : 1, items = runs * split;
 #pragma omp parallel num_threads(items < nthreads ? (int)(items > 0 ? items : 1) : nthreads)
     {
@@ -988,7 +1228,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
         float *cs = malloc(D * sizeof(float)), *rot = malloc(D * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
-            const int64_t b0 = run_start[item / split], R = run_start[item / split + 1] - b0;
+            const int64_t b0 = run_start[order[item / split]], R = run_start[order[item / split] + 1] - b0;
             const int64_t h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
             const int64_t L = context_lens[b0 + R - 1], nq = (h1 - h0) * G;
             if (L > 0) {
@@ -1009,7 +1249,10 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                                block_size, row, h0, h1, G, D, scale);
                 else
 #endif
-                {
+                if (R > 1 && R * G >= RUN_GEMM_MIN_QUERIES && D % VLEN == 0)
+                    run_attend(acc, qf, q_dtype, scale, k_cache, v_cache, kv_dtype, block_tables + b0 * table_stride,
+                               context_lens + b0, R, block_size, row, h0, h1, G, D);
+                else {
                     if (R * L * nq > cap) {
                         cap = R * L * nq;
                         free(scores);
@@ -1026,7 +1269,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
         }
         free(scores), free(qf), free(acc), free(cs), free(rot);
     }
-    free(run_start);
+    free(run_start), free(order);
 }
 
 void pd_paged_attention_decode(void *out, const void *q, int64_t q_stride, int q_dtype, const void *k_cache,

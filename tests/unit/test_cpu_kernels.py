@@ -59,6 +59,8 @@ def test_the_build_follows_the_isa_cap(isa):
     has_amx = features_from_flags(cpu_flags(), frozenset()).amx and isa == "native"
     assert ("tdpbf16ps" in code) == has_amx  # AMX tiles exactly where the CPU has them and they are not forced off
     assert cpu.amx_tiles() == has_amx
+    has_bf16_products = features_from_flags(cpu_flags(), frozenset()).avx512_bf16 and isa != "AVX2"
+    assert ("vdpbf16ps" in code) == has_bf16_products == cpu.bf16_products()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -180,26 +180,28 @@ def test_steps_of_many_rows_or_tensor_parallel_keep_the_per_op_path(tiny_llama):
     assert not cpu_step.applies(model, h16, chunk_at(16 * 65), kv)  # 16 x 1040 > MAX_PROMPT_ATTENTION_PAIRS
 
 
-def test_a_deep_prompt_chunk_stays_in_one_call_where_attention_has_amx_tiles(tiny_llama):
+def test_a_deep_prompt_chunk_stays_in_one_call_where_attention_multiplies_bf16(tiny_llama, isa):
     """Past MAX_PROMPT_ATTENTION_PAIRS the one call is kept only where its prompt attention
-    runs in AMX tiles (cheaper than SDPA there); the fp32 loop of the other builds is not."""
+    multiplies bf16 in hardware (AMX tiles or AVX512-BF16 dot products: cheaper than SDPA
+    there); the fp32 FMAs of the other builds are not."""
     model = _load(tiny_llama, "bfloat16")
     shape = (70, 16, model.shard.num_kv_heads, model.arch.head_dim)
     kv = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
     seq = PrefillSeq(query_start=0, query_len=16, context_len=16 * 65, block_ids=torch.arange(65))
     meta = AttentionMetadata(torch.arange(16), 0, torch.zeros(0, 65, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), (seq,))
     h16 = torch.zeros(16, model.arch.hidden_size, dtype=torch.bfloat16)
-    assert cpu.amx_tiles() == (detect().amx and not cpu.isa_flags())  # the native build only
-    assert cpu_step.applies(model, h16, meta, kv) == cpu.amx_tiles()
+    assert cpu.bf16_products() == (detect().native_bf16 and isa != "AVX2")  # the build follows the capabilities
+    assert cpu_step.applies(model, h16, meta, kv) == cpu.bf16_products()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_per_op_prompt_attention_in_c_equals_sdpa(tiny_models, family, monkeypatch):
-    """Op by op, prompt chunks after cached context attend in the C kernel where it has AMX
-    tiles (attention.prompt_attention_in_c), in torch's SDPA elsewhere: the same step both
-    ways agrees within bf16 rounding (P is rounded to bf16 in both)."""
+    """Op by op, prompt chunks attend in the C kernel where it multiplies bf16 in hardware
+    (attention.prompt_attention_in_c), in torch's SDPA elsewhere: the same step both ways
+    agrees within bf16 rounding (P is rounded to bf16 in both)."""
     model = _load(tiny_models[family], "bfloat16")
-    input_ids, positions, meta, num_blocks = _mixed_step(model, [5, 40], [(37, 30), (80, 20)], 16)
+    # chunks after cached context, and a whole prompt (no context: SDPA's causal kernel elsewhere)
+    input_ids, positions, meta, num_blocks = _mixed_step(model, [5, 40], [(37, 30), (80, 20), (0, 24)], 16)
     shape = (num_blocks, 16, model.shard.num_kv_heads, model.arch.head_dim)
     kv_caches = [(torch.randn(shape).to(torch.bfloat16), torch.randn(shape).to(torch.bfloat16)) for _ in range(model.arch.num_layers)]
     monkeypatch.setattr(cpu_step, "applies", lambda *args: False)
