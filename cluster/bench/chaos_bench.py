@@ -31,7 +31,7 @@ from ray import serve
 
 from cluster.bench.plots import plot_chaos
 from cluster.bench.serve_bench import add_serve_flags, measure
-from cluster.bench.sweep_compare import LOCAL, add_local_target_flags, local_cluster, local_ray
+from cluster.bench.sweep_compare import add_local_target_flags, local_cluster, local_ray, local_target
 from cluster.config import CacheConfig, EngineConfig, RoutingConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
@@ -153,7 +153,8 @@ def offline_texts(args, requests: list) -> list[str]:
 
 
 def run_chaos(args) -> int:
-    if not LOCAL.match(args.target):
+    target = local_target(args.target)
+    if target is None:
         raise ValueError(f"--target {args.target!r}: give a local configuration such as 1p2d or 2p1d")
     if args.endpoint != "/v1/completions":
         raise ValueError("bench chaos checks texts against an offline run of the prompts: use --endpoint /v1/completions")
@@ -162,8 +163,7 @@ def run_chaos(args) -> int:
     faults = parse_faults(args.kill)
     args.local_model = args.local_model or str(builtin_model_path())
     routing = RoutingConfig(migration_limit=args.migration_limit, stall_timeout_s=args.stall_timeout_s)
-    m = LOCAL.match(args.target)
-    replicas = {"decode": 1} if m.group(1) == "colocated" else {"prefill": int(m.group(2)), "decode": int(m.group(3))}
+    replicas = {"decode": target.decode} if target.colocated else {"prefill": target.prefill, "decode": target.decode}
     with local_ray(args), local_cluster(args.target, args, routing) as url:
         run_args = copy.copy(args)
         run_args.base_url, run_args.model, run_args.tokenizer = url, None, args.local_model

@@ -8,7 +8,7 @@ compare  runs the same workload against two targets, alternately for --rounds ro
          (round r draws its prompts with --seed + r, the same for both), and reports B/A
          ratios of the medians over rounds. A target is a URL, or a
          local configuration it starts itself on a local Ray:
-             colocated[:ROUTING]      one engine per replica doing both phases
+             [N]colocated[:ROUTING]   N replicas (default 1), each one engine doing both phases
              <P>p<D>d[:ROUTING]       P prefill and D decode replicas, e.g. 1p1d, 2p1d:round_robin
          and either with @T: T torch threads per replica instead of --torch-threads, so
          that configurations with the same total threads compare (colocated@2 vs 1p1d@1).
@@ -24,6 +24,7 @@ import os
 import re
 import statistics
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -75,17 +76,42 @@ def run_sweep(args) -> int:
 
 # ---- compare -----------------------------------------------------------------------------
 
-LOCAL = re.compile(r"^(colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?$")
+LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?$")
+
+
+@dataclass(frozen=True)
+class LocalTarget:
+    """A local configuration: replicas per tier (prefill 0: colocated), routing, threads."""
+
+    prefill: int
+    decode: int
+    routing: str | None
+    threads: int | None
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill == 0
+
+
+def local_target(spec: str) -> LocalTarget | None:
+    """The configuration `spec` names (see the module docstring), or None if it names none."""
+    m = LOCAL.match(spec)
+    if not m:
+        return None
+    colocated, prefill, decode, routing, threads = m.groups()
+    prefill, decode = (0, int(colocated or 1)) if prefill is None else (int(prefill), int(decode))
+    if decode < 1 or (prefill < 1 and colocated is None):
+        return None
+    return LocalTarget(prefill, decode, routing, int(threads) if threads else None)
 
 
 def parse_target(spec: str):
     """A URL, or a local configuration (see the module docstring)."""
     if spec.startswith(("http://", "https://")):
         return spec
-    m = LOCAL.match(spec)
-    if not m:
-        raise ValueError(f"target {spec!r}: give a URL, 'colocated[:routing][@threads]' or '<P>p<D>d[:routing][@threads]' "
-                         "(e.g. 1p1d, 2p1d:round_robin, colocated@2)")
+    if local_target(spec) is None:
+        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads]' or '<P>p<D>d[:routing][@threads]' "
+                         "(e.g. 1p1d, 2p1d:round_robin, colocated@2, 2colocated@1)")
     return spec
 
 
@@ -111,22 +137,21 @@ def local_ray(args):
 def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
     """Deploy `spec` on the local Ray (local_ray) and yield its base URL. `routing`
     overrides the placement settings (its policy comes from the spec)."""
-    m = LOCAL.match(spec)
-    colocated = m.group(1) == "colocated"
-    threads = int(m.group(5) or args.torch_threads)
-    tier = TierConfig(num_cpus=0.5, torch_threads=threads)
+    target = local_target(spec)
+    threads = target.threads or args.torch_threads
+    decode = TierConfig(num_replicas=target.decode, num_cpus=0.5, torch_threads=threads)
     config = ClusterConfig(
         engine=EngineConfig(model=args.local_model, dtype=args.dtype, served_model_name="bench",
                             max_model_len=args.max_model_len,
                             cache=CacheConfig(memory_gib=args.kv_cache_gib),
                             scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk,
                                                       max_step_slowdown=args.max_step_slowdown)),
-        prefill=tier if colocated else TierConfig(num_replicas=int(m.group(2)), num_cpus=0.5, torch_threads=threads),
-        decode=tier if colocated else TierConfig(num_replicas=int(m.group(3)), num_cpus=0.5, torch_threads=threads),
+        prefill=decode if target.colocated else dataclasses.replace(decode, num_replicas=target.prefill),
+        decode=decode,
         router=TierConfig(num_cpus=0.1),
-        colocated=colocated,
+        colocated=target.colocated,
         redis_url=args._redis.url,
-        routing=dataclasses.replace(routing or RoutingConfig(), policy=m.group(4) or "kv_aware"),
+        routing=dataclasses.replace(routing or RoutingConfig(), policy=target.routing or "kv_aware"),
     )
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     try:

@@ -10,7 +10,7 @@ import pytest
 from cluster.bench import datasets
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.serve_bench import add_serve_flags, arrival_times, goodput_slos, summarize, throughput_over_time
-from cluster.bench.sweep_compare import attainment
+from cluster.bench.sweep_compare import LocalTarget, attainment, local_target, parse_target
 from cluster.tokenizer import Tokenizer
 
 
@@ -85,3 +85,22 @@ def test_skewed_prefix_repetition_and_interference_prompts(tiny_llama):
     assert heads.count(hot) == 16 + 1  # 80% share the first prefix; the rest cycle through all four (one more of it)
     long = datasets.interference_requests(a, tokenizer, count=3)
     assert len(long) == 3 and all(abs(r.prompt_len - 40) <= 2 for r in long) and all(r.output_len == 2 for r in long)
+
+
+@pytest.mark.parametrize(("spec", "want"), [
+    ("colocated", LocalTarget(0, 1, None, None)),
+    ("2colocated@1", LocalTarget(0, 2, None, 1)),
+    ("colocated:round_robin@2", LocalTarget(0, 1, "round_robin", 2)),
+    ("1p2d", LocalTarget(1, 2, None, None)),
+    ("2p1d:kv_aware@1", LocalTarget(2, 1, "kv_aware", 1)),
+])
+def test_local_targets_name_replicas_routing_and_threads(spec, want):
+    assert local_target(spec) == want
+    assert parse_target(spec) == spec
+
+
+@pytest.mark.parametrize("spec", ["0colocated", "0p1d", "1p0d", "colocated@", "2x1p1d", "p1d"])
+def test_a_malformed_target_is_refused_with_the_grammar(spec):
+    assert local_target(spec) is None
+    with pytest.raises(ValueError, match="colocated"):
+        parse_target(spec)
