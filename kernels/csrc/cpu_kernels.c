@@ -984,6 +984,135 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
     free(s), free(q), free(o), free(kt), free(vg), free(qb), free(pb);
 }
 
+#if defined(__AVX512BF16__)
+/* The 16 lanes' sums of each of v[0..16), as one vector (lane j: v[j]'s sum): a transposing
+   tree of adds (8 + 4 + 2 + 1 pairs, 45 instructions for 16 sums; a horizontal sum each
+   would take ~7). */
+static inline __attribute__((always_inline)) __m512 sums16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: t[i] = 8 partials of v[2i], then 8 of v[2i+1] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++) /* 128-bit lanes: u[i] = 4 partials each of v[4i .. 4i+4) */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++) /* lane k of w[i]: 2 partials of v[8i + k], then of v[8i + 4 + k] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
+    /* lane (k, l) of x: the sum of v[k + 4 l] */
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, x);
+}
+
+/* attend's scores (scores [R, nq, s_stride], scaled) from bf16 queries and cache, D % 32 == 0:
+   each score's products in vdpbf16ps, 16 positions' sums at once (sums16) instead of a
+   horizontal sum per score. qf holds the rotated queries exactly (they were rounded to bf16),
+   unscaled. Cache blocks are read in order and the next prefetched, as attend_pass does. */
+static void pair_scores(float *scores, int64_t s_stride, const float *qf, float scale, const void *k_cache,
+                        const int32_t *table, const int32_t *L, int64_t R, int64_t block_size, int64_t row, int64_t h0,
+                        int64_t h1, int64_t G, int64_t D) {
+    const int64_t nq = (h1 - h0) * G, Lmax = L[R - 1], DC = D / 32, block_bytes = block_size * row * 2;
+    bf16_t *qb = scratch(R * nq * D * sizeof(bf16_t));
+    store_row(qb, qf, R * nq * D, BF16); /* exact */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < Lmax; p0 += 16) {
+        const int64_t n = Lmax - p0 < 16 ? Lmax - p0 : 16;
+        const bf16_t *rows[16];
+        for (int64_t j = 0, b0 = -1; j < n; j++) { /* a block's rows are row apart */
+            const int64_t blk = (p0 + j) / block_size;
+            if (blk != b0) b0 = blk, rows[j] = (const bf16_t *)k_cache + ((int64_t)table[blk] * block_size + (p0 + j) % block_size) * row + h0 * D;
+            else rows[j] = rows[j - 1] + row;
+        }
+        const int64_t b = p0 / block_size; /* the block after p0's, a part per query head */
+        const char *next = p0 % block_size == 0 ? block_after(k_cache, BF16, table, b, Lmax, block_size, row) : NULL;
+        for (int64_t r = 0; r < R; r++) {
+            if (L[r] <= p0) continue; /* sees none of these positions */
+            for (int64_t hq = 0; hq < nq; hq++) {
+                if (r == 0) prefetch_part(next, block_bytes, hq, nq);
+                const bf16_t *q = qb + (r * nq + hq) * D, *kh = NULL;
+                const int64_t koff = hq / G * D; /* its KV head's dims in a cache row */
+                __m512 acc[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    acc[j] = _mm512_setzero_ps();
+                    if (j >= n) continue;
+                    kh = rows[j] + koff;
+                    for (int64_t c = 0; c < DC; c++)
+                        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(kh + 32 * c),
+                                                  (__m512bh)_mm512_loadu_si512(q + 32 * c));
+                }
+                const __mmask16 live = n == 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+                _mm512_mask_storeu_ps(scores + (r * nq + hq) * s_stride + p0, live, _mm512_mul_ps(sums16(acc), vscale));
+            }
+        }
+    }
+    free(qb);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* out_i [32 dims at c] = sum over the context's positions of P_i V, for QN query heads
+   (out_i D apart; P_i: bf16 weights LS apart, zero past each context) of one KV head's V (at
+   v_head, rows row apart): P and V a pair of positions at a time by vdpbf16ps, each pair's V
+   rows interleaved in registers (vpunpck{l,h}wd, lane by lane: the sums come out in a fixed
+   permutation of the dims, undone as they are stored). A constant QN: the sums stay in
+   registers. */
+static inline __attribute__((always_inline)) void pair_values_chunk(float *out, int64_t D, const bf16_t *p, int64_t LS,
+                                                                    const bf16_t *v_head, const int32_t *table,
+                                                                    int64_t block_size, int64_t row, int64_t Lr,
+                                                                    int64_t Lmax, int64_t c, const int QN) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512 lo[ATTEND_HEADS], hi[ATTEND_HEADS];
+    for (int i = 0; i < QN; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < Lr; p0 += block_size) { /* a block at a time: its rows are row apart */
+        const bf16_t *v = v_head + (int64_t)table[p0 / block_size] * block_size * row + 32 * c;
+        const int64_t n = Lr - p0 < block_size ? Lr - p0 : block_size;
+        for (int64_t j = 0; j < n; j += 2) { /* a pair of positions (block sizes are even) */
+            const __m512i a = _mm512_loadu_si512(v + j * row);
+            const __m512i b = p0 + j + 1 < Lmax ? _mm512_loadu_si512(v + (j + 1) * row) : _mm512_setzero_si512();
+            const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int i = 0; i < QN; i++) {
+                int32_t pair;
+                memcpy(&pair, p + i * LS + p0 + j, 4);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+                lo[i] = _mm512_dpbf16_ps(lo[i], vlo, w);
+                hi[i] = _mm512_dpbf16_ps(hi[i], vhi, w);
+            }
+        }
+    }
+    for (int i = 0; i < QN; i++) {
+        _mm512_storeu_ps(out + i * D + 32 * c, _mm512_permutex2var_ps(lo[i], first, hi[i]));
+        _mm512_storeu_ps(out + i * D + 32 * c + 16, _mm512_permutex2var_ps(lo[i], second, hi[i]));
+    }
+}
+
+/* acc [R, nq, D] = P V for attend's softmax weights (scores [R, nq, s_stride], fp32, each row
+   over its own context) and a bf16 cache, D % 32 == 0: P rounded to bf16, as torch's SDPA
+   rounds it for P V; up to ATTEND_HEADS query heads share each V load (pair_values_chunk). */
+static void pair_values(float *acc, const float *scores, int64_t s_stride, const void *v_cache, const int32_t *table,
+                        const int32_t *L, int64_t R, int64_t block_size, int64_t row, int64_t h0, int64_t h1, int64_t G,
+                        int64_t D) {
+    const int64_t nq = (h1 - h0) * G, M = R * nq, Lmax = L[R - 1], LS = round_up(Lmax + 1, 16);
+    bf16_t *pb = scratch(M * LS * sizeof(bf16_t)); /* P in bf16, zero past each row's context */
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t Lr = L[m / nq];
+        store_row(pb + m * LS, scores + m * s_stride, Lr, BF16);
+        memset(pb + m * LS + Lr, 0, (LS - Lr) * sizeof(bf16_t));
+    }
+    for (int64_t h = 0; h < h1 - h0; h++)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t g0 = 0; g0 < G; g0 += ATTEND_HEADS) {
+                const int qn = G - g0 < ATTEND_HEADS ? (int)(G - g0) : ATTEND_HEADS;
+                const int64_t m0 = r * nq + h * G + g0; /* its query heads: m0 .. m0 + qn */
+                for (int64_t c = 0; c < D / 32; c++) {
+#define CHUNK(QN) pair_values_chunk(acc + m0 * D, D, pb + m0 * LS, LS, (const bf16_t *)v_cache + (h0 + h) * D, table, \
+                                    block_size, row, L[r], Lmax, c, QN)
+                    HEAD_CASES_N(qn, CHUNK)
+#undef CHUNK
+                }
+            }
+    free(pb);
+}
+#endif
+
 /* Attention of R query rows of one sequence (a decode token, or consecutive tokens of a
    prompt chunk: they share the block table, and row r sees the cache's first L[r]
    positions), each with its query heads [h0 * G, h1 * G) (KV heads [h0, h1)): qf
@@ -997,6 +1126,11 @@ static void attend(float *acc, float *qf, int q_dtype, float scale, float *score
     if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0 && block_size % 16 == 0 && R * G <= AMX_SCORE_COLUMNS &&
         amx_permitted()) {
         amx_scores(scores, qf, scale, k_cache, table, L, R, block_size, row, h0, h1, G, D);
+    } else
+#endif
+#if defined(__AVX512BF16__)
+    if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0) {
+        pair_scores(scores, Lmax, qf, scale, k_cache, table, L, R, block_size, row, h0, h1, G, D);
     } else
 #endif
     {
@@ -1019,6 +1153,12 @@ static void attend(float *acc, float *qf, int q_dtype, float scale, float *score
             const float inv = 1.f / sum;
             for (int64_t p = 0; p < Lr; p++) sh[p] *= inv;
         }
+#if defined(__AVX512BF16__)
+    if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0) {
+        pair_values(acc, scores, Lmax, v_cache, table, L, R, block_size, row, h0, h1, G, D);
+        return;
+    }
+#endif
     memset(acc, 0, R * nq * D * sizeof(float));
     if (kv_dtype == BF16)
         attend_pass(1, acc, qf, scores, v_cache, BF16, table, L, R, block_size, row, h0, h1, G, D);
