@@ -394,6 +394,7 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
    come from memory once whatever B is. */
 void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const void *wp, const void *bias,
                const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int nthreads) {
+    if (B <= 0) return; /* a step that samples no row asks for no logits */
     const int64_t n = PACK_BLOCK(dtype), blocks = round_up(O, n) / n, OP = blocks * n;
     const int pairs = PAIRS(dtype);
     const int64_t KP = pairs ? packed_pairs(K) : 0;

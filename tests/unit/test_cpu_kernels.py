@@ -64,8 +64,8 @@ def test_the_build_follows_the_isa_cap(isa):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# 9, 20: more rows than one register block; 20, 33: than one AMX tile (16 rows)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 20, 33])
+# 0: a step that samples no row; 9, 20: more rows than one register block; 20, 33: than one AMX tile (16 rows)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 9, 20, 33])
 # 7 and 40 outputs: part of a block; 33 and 100 inputs: not whole AMX tiles of k (pairs pad them)
 @pytest.mark.parametrize("in_features, out_features", [(64, 96), (100, 7), (33, 40)])
 @pytest.mark.parametrize("bias", [False, True])
