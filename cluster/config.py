@@ -11,6 +11,7 @@ from pathlib import Path
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
+LOCAL_PREFILL_MODES = ("auto", "never")
 INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
 GGUF_SUFFIX = ".gguf"
 # For every local Ray pdserve starts (deploy/cluster.yaml's `ray start` commands set the
@@ -198,6 +199,11 @@ class RoutingConfig:
     # requests (queued + running) over the least-loaded worker of its tier gets no new
     # request, whatever it caches; the least-loaded one gets it.
     load_margin: int = 4
+    # Conditional disaggregation (kv_aware, with a prefill tier): "auto" has the decode worker
+    # compute a prompt itself when the prefill worker's queue would start it later than the
+    # decode worker could finish it at its step budget's rate (router/placement.py:
+    # computes_locally); "never" sends every prompt to the prefill tier.
+    local_prefill: str = "auto"
     # A request whose decode worker fails mid-stream (died, unreachable, no progress for
     # stall_timeout_s) is re-issued to another one with the tokens streamed so far, at
     # most migration_limit times; the client's stream goes on without a gap or repeat.
@@ -211,6 +217,8 @@ class RoutingConfig:
             raise ValueError("index_timeout_s must be > 0 and the weights >= 0")
         if self.load_margin < 0:
             raise ValueError("load_margin must be >= 0")
+        if self.local_prefill not in LOCAL_PREFILL_MODES:
+            raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, got {self.local_prefill!r}")
         if self.migration_limit < 0 or self.stall_timeout_s <= 0:
             raise ValueError("migration_limit must be >= 0 and stall_timeout_s > 0")
 

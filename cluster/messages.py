@@ -34,6 +34,7 @@ class GenerateRequest:
     route: RouteHint = RouteHint()  # which decode replica
     prefill_route: RouteHint = RouteHint()  # which prefill replica the decode worker should call
     generated: tuple[int, ...] = ()  # output already streamed to the client: a migrated request resumes after it
+    local_prefill: bool = False  # the decode worker computes the prompt itself (router/placement.py: computes_locally)
 
 
 @dataclass(frozen=True)

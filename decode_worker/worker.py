@@ -13,7 +13,9 @@ KV it lacks, and streams tokens from its continuous batch.
                                             message on, in a receiver thread)
         5. engine: commit (KV arrived, or recompute per policy) and stream deltas
 
-In colocated mode it runs both phases on its own engine (the baseline and reference).
+In colocated mode it runs both phases on its own engine (the baseline and reference), and so
+does a request the router placed with `local_prefill` (the prefill tier's queue would start
+its prompt later than this worker finishes it: router/placement.py).
 A stream that its consumer abandons aborts the request here and at the prefill.
 Every path returns the request's blocks: finish, abort, failed transfer, error.
 """
@@ -71,8 +73,9 @@ class DecodeWorker(EngineWorker):
         self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix="kv-recv")
         self.deltas = DeltaSender()
         # Faults survived: transfers that failed (recomputed here), prefill calls that failed
-        # (retried or computed here). The transport counts its own transfers.
-        self._counts = {"recomputed": 0, "prefill_faults": 0, "computed_here": 0}
+        # (retried or computed here); and prompts placed here to compute (local_prefill).
+        # The transport counts its own transfers.
+        self._counts = {"recomputed": 0, "prefill_faults": 0, "computed_here": 0, "local_prefills": 0}
 
     async def generate(self, req: GenerateRequest) -> int:
         """Run the request, its deltas going to the gateway's delta channel at
@@ -91,7 +94,9 @@ class DecodeWorker(EngineWorker):
         return sent
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if self.colocated:
+        if self.colocated or req.local_prefill:
+            if req.local_prefill:
+                self._counts["local_prefills"] += 1
             async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id, generated=req.generated):
                 yield out
             return

@@ -60,6 +60,10 @@ class GatewayMetrics:
             "pdserve_route_fallbacks", "kv_aware placements that fell back to prefix_hash, by reason.",
             ["reason"], registry=self.registry,
         )
+        self.local_prefills = Counter(
+            "pdserve_route_local_prefills", "Prompts placed on their decode worker to compute (the prefill tier's queue was longer).",
+            registry=self.registry,
+        )
         self.load_overrides = Counter(
             "pdserve_route_load_overrides", "Placements where load beat affinity: the least-loaded worker got the request.",
             ["tier"], registry=self.registry,

@@ -12,6 +12,10 @@
                   tier, the request falls back to prefix_hash (counted, never failed).
                   Colocated, the decode worker computes the prompt: its cost is the
                   prefill one plus the running term.
+                  Conditional disaggregation (routing.local_prefill "auto"): the chosen
+                  decode worker computes the prompt itself when it would finish it before
+                  the chosen prefill worker even starts it (computes_locally): a prefill
+                  tier that falls behind then gets help instead of a growing queue.
     prefix_hash   rendezvous hashing of the first PREFIX_HASH_BLOCKS blocks: sticky without an index
     round_robin   each tier in turn
     power_of_two  Ray Serve's default: the shorter queue of two random replicas
@@ -68,6 +72,7 @@ class Placement:
     prefill_tokens: int = 0  # tokens it computes
     decode_worker: str | None = None
     fallback: str | None = None  # why kv_aware was not used
+    local_prefill: bool = False  # the decode worker computes the prompt (computes_locally)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ class Placer:
     ):
         """`live(deployment)`: the replica ids Serve routes to now (None: not known yet)."""
         self.config = routing
+        self.step_slowdown = engine.scheduler.max_step_slowdown
         self.block_size = engine.cache.block_size
         self.model_id = engine.model_id
         self.colocated = colocated
@@ -234,7 +240,13 @@ class Placer:
             tier: self._balance(tier, cs, min(cs, key=lambda c, cost=costs[tier]: (cost(c), order[c.worker_id])), order)
             for tier, cs in tiers.items()
         }
+        local = not self.colocated and self.config.local_prefill == "auto" and computes_locally(
+            chosen["prefill"], chosen["decode"], uncached(chosen["decode"]), self.step_slowdown)
+        if local:
+            self.metrics.local_prefills.inc()
+            del chosen["prefill"]  # the decode worker computes it, as colocated
         placement = self._placement(chosen, uncached)
+        placement.local_prefill = local
         for tier, c in chosen.items():
             placement.predicted_hits[(tier, c.worker_id)] = n - uncached(c)
         return placement
@@ -291,6 +303,18 @@ class Placer:
             self.in_flight.decoding[placement.decode_worker] -= 1
             _drop_zeros(self.in_flight.decoding)
             placement.decode_worker = None
+
+
+def computes_locally(prefill: Candidate, decode: Candidate, decode_uncached: int, step_slowdown: float) -> bool:
+    """Whether the decode worker should compute the prompt itself: it finishes it, after the
+    prompt tokens already queued there, before the prefill worker would start it, behind its
+    queue. Both count in tokens of prefill work; while requests decode there, a decode worker
+    computes prompt tokens at (s - 1) / s of a prefill worker's rate (its step budget, s =
+    max_step_slowdown, keeps each step within s decode steps' time; s = 0: no cap, full rate).
+    So an idle or keeping-up prefill tier (an empty queue) always gets the prompt, and the
+    decodes keep their ITL; only a queue longer than the whole local work moves it."""
+    slower = step_slowdown / (step_slowdown - 1.0) if decode.requests and step_slowdown > 0 else 1.0
+    return prefill.queued_tokens > slower * (decode.queued_tokens + decode_uncached)
 
 
 def _affinity_key(hashes: list[BlockHash], prompt_ids: list[int]) -> bytes:

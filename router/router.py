@@ -122,7 +122,7 @@ class Router:
         else:
             request = GenerateRequest(
                 request_id, ids, params, await self.deltas.start(), route=placement.decode, prefill_route=placement.prefill,
-                generated=resume,
+                generated=resume, local_prefill=placement.local_prefill,
             )
             deltas = self.deltas.subscribe(request_id)  # before the call: no delta can come first
             call = self.decode.generate.remote(request)

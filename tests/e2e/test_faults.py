@@ -3,7 +3,6 @@
 gives (greedy: no repeated or missing token), the faults are counted, and every block
 on the surviving workers returns."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -17,7 +16,6 @@ import pytest
 from cluster.config import RoutingConfig, TransportConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.testing.random_checkpoint import make_model
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import all_blocks_returned, metric, wait_until
 
@@ -40,28 +38,6 @@ def greedy_texts(engine_config):
 @pytest.fixture(scope="module")
 def reference(engine_config):
     return greedy_texts(engine_config)
-
-
-@pytest.fixture(scope="module")
-def wide_model_config(engine_config, tmp_path_factory):
-    """The tiny checkpoint's tokenizer on a model wide enough that prefilling a few hundred
-    tokens takes seconds, not milliseconds, and a stream of a few hundred tokens outlasts a
-    redeploy: long enough to see a replica busy (from outside, through stats calls or
-    Serve) and kill or remove it there."""
-    model = make_model(
-        "qwen2",
-        "tiny",
-        tmp_path_factory.mktemp("wide"),
-        overrides={
-            "hidden_size": 512,
-            "intermediate_size": 2048,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 8,
-            "tie_word_embeddings": True,
-        },
-    )
-    return dataclasses.replace(engine_config, model=str(model))
 
 
 class Streams:

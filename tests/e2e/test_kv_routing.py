@@ -2,8 +2,10 @@
 redis-server: a shuffled shared-prefix workload gets (nearly) the ideal prefix hits
 under kv_aware and clearly fewer under round_robin; what the index promised equals
 what the workers found; with Redis killed every request still completes (the fallback
-is counted) and once Redis is back the index recovers with no worker restarted."""
+is counted) and once Redis is back the index recovers with no worker restarted; and a
+prefill tier that falls behind gets help from the decode tier (conditional disaggregation)."""
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -12,12 +14,13 @@ import httpx
 import pytest
 
 from cluster.config import GatewayConfig, RoutingConfig
+from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY
 from tests.e2e.test_gateway_edge import metric
-from tests.helpers import wait_until
+from tests.helpers import all_blocks_returned, wait_until
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 NUM_PREFIXES, SUFFIXES_PER_PREFIX, PREFIX_LEN, SUFFIX_LEN = 8, 3, 64, 10
@@ -126,3 +129,37 @@ def test_redis_down_degrades_to_prefix_hash_and_recovers_when_back(live, engine_
         finally:
             live.redeploy()
             back.stop()
+
+
+def _local_prefills(handle) -> int:
+    return sum(s["local_prefills"] for s in handle.worker_stats.remote().result()["decode"].values())
+
+
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, wide_model_config, mode):
+    """A burst of long prompts onto one slow prefill replica: with local_prefill auto, once
+    its queue would start a prompt later than the decode worker can finish it, the decode
+    worker computes it itself (no transfer); the first prompts still go to the prefill
+    tier. Outputs are the undisturbed greedy ones either way, and every block returns."""
+    handle = live.redeploy(routing=RoutingConfig(local_prefill=mode), engine=wide_model_config)
+    reference = Engine(wide_model_config)
+    rng = random.Random(mode)  # prompts of its own: no cache holds them (replicas outlive a redeploy)
+    prompts = [[rng.randrange(10, reference.loaded.arch.vocab_size) for _ in range(200)] for _ in range(6)]
+    expected = [c.token_ids for c in reference.generate(prompts, GREEDY)]
+    before_local, before_metric = _local_prefills(handle), metric(scrape(live), "pdserve_route_local_prefills_total")
+    received_before = sum(s["transport"]["transfers_ok"] for s in handle.worker_stats.remote().result()["decode"].values())
+
+    async def burst():
+        async def one(ids):
+            return [t async for out in handle.options(stream=True).generate.remote(ids, GREEDY) for t in out.new_token_ids]
+        return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    assert asyncio.run(burst()) == expected
+    local = _local_prefills(handle) - before_local
+    received = sum(s["transport"]["transfers_ok"] for s in handle.worker_stats.remote().result()["decode"].values()) - received_before
+    assert metric(scrape(live), "pdserve_route_local_prefills_total") - before_metric == local
+    if mode == "auto":
+        assert 1 <= local < len(prompts) and received == len(prompts) - local
+    else:
+        assert local == 0 and received == len(prompts)
+    assert wait_until(lambda: all_blocks_returned(handle), timeout_s=60)

@@ -2,6 +2,8 @@
 the candidates are the replicas Serve routes to, not only the indexed ones; a replica
 the index does not list yet counts with an empty cache and no load; one Serve removed
 gets nothing; and load beats affinity past `load_margin`, for kv_aware and prefix_hash.
+Conditional disaggregation: a prompt goes to its decode worker only when the prefill
+queue would start it later than the decode worker finishes it.
 (The same rules on a live cluster: tests/integration/test_cluster.py.)"""
 
 import asyncio
@@ -29,9 +31,11 @@ def redis_url():
         yield r.url
 
 
-def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4):
+def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4, local_prefill="never"):
+    """local_prefill: "never" unless a test is about it, so that a burst's growing prefill
+    queue does not move prompts to the decode tier in tests of the tiers' own choices."""
     metrics = GatewayMetrics("t")
-    routing = RoutingConfig(policy=policy, load_margin=margin)
+    routing = RoutingConfig(policy=policy, load_margin=margin, local_prefill=local_prefill)
     names = {"PrefillWorker": "prefill", "DecodeWorker": "decode"}
     return Placer(CONFIG, routing, url, False, metrics, live=lambda d: frozenset(live[names[d]])), metrics
 
@@ -123,3 +127,40 @@ def test_a_replica_serve_drops_leaves_the_index_at_once(redis_url):
         return {v.worker_id for v in await p.index.lookup(HASHES)}
 
     assert asyncio.run(go()) == {"prefill-p2", "decode-d1"}  # without forget, p1 would count for TTL_S more
+
+
+def test_a_prompt_goes_to_the_prefill_tier_while_it_keeps_up(redis_url):
+    """An idle prefill tier (or one whose queue is shorter than the decode worker's work for
+    the prompt at its step budget's rate) computes every prompt: decodes keep their ITL."""
+    publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
+    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, local_prefill="auto")
+    (first, second) = place(p, 2)  # the second waits behind the first's 67 tokens: 67 < 2 x 67
+    assert not first.local_prefill and not second.local_prefill
+    assert first.prefill.replica == second.prefill.replica == "p1"
+    assert metrics.local_prefills._value.get() == 0
+
+
+def test_a_prompt_goes_to_its_decode_worker_when_the_prefill_queue_would_start_it_later(redis_url):
+    """Placed in a burst: once the prefill worker's queue holds more than twice the decode
+    worker's own prompt work (max_step_slowdown 2: it computes prompts at half rate beside its
+    decodes), prompts are computed where they decode; both tiers then share the burst."""
+    publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
+    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, local_prefill="auto")
+    placements = place(p, 12)
+    local = [pl.local_prefill for pl in placements]
+    n = len(PROMPT)
+    assert local[:3] == [False, False, False]  # queue 0, n, 2n: not more than 2 x n
+    assert local[3]  # queue 3n > 2 x (0 + n)
+    assert 3 <= sum(local) <= 5 and metrics.local_prefills._value.get() == sum(local)
+    # each local prompt is the decode worker's work now (this gateway's in-flight count)
+    assert p.in_flight.prefill_tokens["decode-d1"] == sum(local) * n
+    assert all(pl.prefill_worker == "decode-d1" for pl in placements if pl.local_prefill)
+    p.first_token(placements[3])  # its first token: no longer prompt work anywhere
+    assert p.in_flight.prefill_tokens["decode-d1"] == (sum(local) - 1) * n
+
+
+def test_never_sends_every_prompt_to_the_prefill_tier(redis_url):
+    publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {}))
+    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, local_prefill="never")
+    assert not any(pl.local_prefill for pl in place(p, 12))
+    assert metrics.local_prefills._value.get() == 0
