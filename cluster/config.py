@@ -11,7 +11,6 @@ from pathlib import Path
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
-LOCAL_PREFILL_MODES = ("auto", "never")
 INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
 GGUF_SUFFIX = ".gguf"
 # For every local Ray pdserve starts (deploy/cluster.yaml's `ray start` commands set the
@@ -199,11 +198,12 @@ class RoutingConfig:
     # requests (queued + running) over the least-loaded worker of its tier gets no new
     # request, whatever it caches; the least-loaded one gets it.
     load_margin: int = 4
-    # Conditional disaggregation (kv_aware, with a prefill tier): "auto" has the decode worker
-    # compute a prompt itself when the prefill worker's queue would start it later than the
-    # decode worker could finish it at its step budget's rate (router/placement.py:
-    # computes_locally); "never" sends every prompt to the prefill tier.
-    local_prefill: str = "auto"
+    # Conditional disaggregation (kv_aware, with a prefill tier): a prompt of at most this many
+    # uncached tokens is computed by its decode worker when the prefill worker's queue would
+    # start it later than the decode worker could finish it at its step budget's rate
+    # (router/placement.py: computes_locally). Longer prompts always go to the prefill tier:
+    # beside decodes they would slow them for many steps. 0: every prompt goes there.
+    max_local_prefill_tokens: int = 512
     # A request whose decode worker fails mid-stream (died, unreachable, no progress for
     # stall_timeout_s) is re-issued to another one with the tokens streamed so far, at
     # most migration_limit times; the client's stream goes on without a gap or repeat.
@@ -217,8 +217,8 @@ class RoutingConfig:
             raise ValueError("index_timeout_s must be > 0 and the weights >= 0")
         if self.load_margin < 0:
             raise ValueError("load_margin must be >= 0")
-        if self.local_prefill not in LOCAL_PREFILL_MODES:
-            raise ValueError(f"local_prefill must be one of {LOCAL_PREFILL_MODES}, got {self.local_prefill!r}")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError("max_local_prefill_tokens must be >= 0")
         if self.migration_limit < 0 or self.stall_timeout_s <= 0:
             raise ValueError("migration_limit must be >= 0 and stall_timeout_s > 0")
 

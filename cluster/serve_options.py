@@ -14,15 +14,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from cluster.config import (
-    DTYPES,
-    FAILURE_POLICIES,
-    INGRESS_MODES,
-    LOCAL_PREFILL_MODES,
-    PLACEMENT_STRATEGIES,
-    ROUTING_POLICIES,
-    ClusterConfig,
-)
+from cluster.config import DTYPES, FAILURE_POLICIES, INGRESS_MODES, PLACEMENT_STRATEGIES, ROUTING_POLICIES, ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -65,9 +57,9 @@ SERVE_FLAGS = (
          ROUTING_POLICIES),
     Flag("--load-margin", ("routing.load_margin",), "load beats affinity: a worker carrying this many requests "
          "over the least-loaded one of its tier gets no new request"),
-    Flag("--local-prefill", ("routing.local_prefill",), "auto: a decode worker computes a prompt itself when the prefill "
-         "tier's queue would start it later (conditional disaggregation); never: every prompt goes to the prefill tier",
-         LOCAL_PREFILL_MODES),
+    Flag("--max-local-prefill-tokens", ("routing.max_local_prefill_tokens",), "a prompt of at most this many uncached tokens "
+         "is computed by its decode worker when the prefill tier's queue would start it later (conditional "
+         "disaggregation); 0: every prompt goes to the prefill tier"),
     Flag("--migration-limit", ("routing.migration_limit",), "re-issues of a request whose decode worker fails mid-stream "
          "(0: the client gets the error)"),
     Flag("--stall-timeout-s", ("routing.stall_timeout_s",), "a stream without a token for this long counts as a failed worker"),

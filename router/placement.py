@@ -12,10 +12,11 @@
                   tier, the request falls back to prefix_hash (counted, never failed).
                   Colocated, the decode worker computes the prompt: its cost is the
                   prefill one plus the running term.
-                  Conditional disaggregation (routing.local_prefill "auto"): the chosen
-                  decode worker computes the prompt itself when it would finish it before
-                  the chosen prefill worker even starts it (computes_locally): a prefill
-                  tier that falls behind then gets help instead of a growing queue.
+                  Conditional disaggregation: the chosen decode worker computes a short
+                  prompt (routing.max_local_prefill_tokens) itself when it would finish
+                  it before the chosen prefill worker even starts it (computes_locally):
+                  a prefill tier that falls behind then gets help instead of a growing
+                  queue, and long prompts never stall the decodes.
     prefix_hash   rendezvous hashing of the first PREFIX_HASH_BLOCKS blocks: sticky without an index
     round_robin   each tier in turn
     power_of_two  Ray Serve's default: the shorter queue of two random replicas
@@ -240,8 +241,9 @@ class Placer:
             tier: self._balance(tier, cs, min(cs, key=lambda c, cost=costs[tier]: (cost(c), order[c.worker_id])), order)
             for tier, cs in tiers.items()
         }
-        local = not self.colocated and self.config.local_prefill == "auto" and computes_locally(
-            chosen["prefill"], chosen["decode"], uncached(chosen["decode"]), self.step_slowdown)
+        local = not self.colocated and computes_locally(
+            chosen["prefill"], chosen["decode"], uncached(chosen["decode"]), self.step_slowdown,
+            self.config.max_local_prefill_tokens)
         if local:
             self.metrics.local_prefills.inc()
             del chosen["prefill"]  # the decode worker computes it, as colocated
@@ -305,14 +307,18 @@ class Placer:
             placement.decode_worker = None
 
 
-def computes_locally(prefill: Candidate, decode: Candidate, decode_uncached: int, step_slowdown: float) -> bool:
-    """Whether the decode worker should compute the prompt itself: it finishes it, after the
+def computes_locally(prefill: Candidate, decode: Candidate, decode_uncached: int, step_slowdown: float,
+                     max_local_tokens: int) -> bool:
+    """Whether the decode worker should compute the prompt itself: a short one (at most
+    max_local_tokens uncached: a long one would slow its decodes for many steps) that it finishes, after the
     prompt tokens already queued there, before the prefill worker would start it, behind its
     queue. Both count in tokens of prefill work; while requests decode there, a decode worker
     computes prompt tokens at (s - 1) / s of a prefill worker's rate (its step budget, s =
     max_step_slowdown, keeps each step within s decode steps' time; s = 0: no cap, full rate).
     So an idle or keeping-up prefill tier (an empty queue) always gets the prompt, and the
     decodes keep their ITL; only a queue longer than the whole local work moves it."""
+    if decode_uncached > max_local_tokens:
+        return False
     slower = step_slowdown / (step_slowdown - 1.0) if decode.requests and step_slowdown > 0 else 1.0
     return prefill.queued_tokens > slower * (decode.queued_tokens + decode_uncached)
 

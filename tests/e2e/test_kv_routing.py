@@ -135,15 +135,16 @@ def _local_prefills(handle) -> int:
     return sum(s["local_prefills"] for s in handle.worker_stats.remote().result()["decode"].values())
 
 
-@pytest.mark.parametrize("mode", ["auto", "never"])
-def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, wide_model_config, mode):
-    """A burst of long prompts onto one slow prefill replica: with local_prefill auto, once
-    its queue would start a prompt later than the decode worker can finish it, the decode
-    worker computes it itself (no transfer); the first prompts still go to the prefill
-    tier. Outputs are the undisturbed greedy ones either way, and every block returns."""
-    handle = live.redeploy(routing=RoutingConfig(local_prefill=mode), engine=wide_model_config)
+@pytest.mark.parametrize("max_local", [512, 0])
+def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, wide_model_config, max_local):
+    """A burst of 200-token prompts onto one slow prefill replica: with local prefill allowed
+    (max_local_prefill_tokens 512), once its queue would start a prompt later than the decode
+    worker can finish it, the decode worker computes it itself (no transfer); the first
+    prompts still go to the prefill tier. With 0, all go there. Outputs are the undisturbed
+    greedy ones either way, and every block returns."""
+    handle = live.redeploy(routing=RoutingConfig(max_local_prefill_tokens=max_local), engine=wide_model_config)
     reference = Engine(wide_model_config)
-    rng = random.Random(mode)  # prompts of its own: no cache holds them (replicas outlive a redeploy)
+    rng = random.Random(max_local)  # prompts of its own: no cache holds them (replicas outlive a redeploy)
     prompts = [[rng.randrange(10, reference.loaded.arch.vocab_size) for _ in range(200)] for _ in range(6)]
     expected = [c.token_ids for c in reference.generate(prompts, GREEDY)]
     before_local, before_metric = _local_prefills(handle), metric(scrape(live), "pdserve_route_local_prefills_total")
@@ -158,7 +159,7 @@ def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, w
     local = _local_prefills(handle) - before_local
     received = sum(s["transport"]["transfers_ok"] for s in handle.worker_stats.remote().result()["decode"].values()) - received_before
     assert metric(scrape(live), "pdserve_route_local_prefills_total") - before_metric == local
-    if mode == "auto":
+    if max_local:
         assert 1 <= local < len(prompts) and received == len(prompts) - local
     else:
         assert local == 0 and received == len(prompts)

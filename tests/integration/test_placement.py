@@ -2,7 +2,7 @@
 the candidates are the replicas Serve routes to, not only the indexed ones; a replica
 the index does not list yet counts with an empty cache and no load; one Serve removed
 gets nothing; and load beats affinity past `load_margin`, for kv_aware and prefix_hash.
-Conditional disaggregation: a prompt goes to its decode worker only when the prefill
+Conditional disaggregation: a short prompt goes to its decode worker only when the prefill
 queue would start it later than the decode worker finishes it.
 (The same rules on a live cluster: tests/integration/test_cluster.py.)"""
 
@@ -31,11 +31,12 @@ def redis_url():
         yield r.url
 
 
-def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4, local_prefill="never"):
-    """local_prefill: "never" unless a test is about it, so that a burst's growing prefill
-    queue does not move prompts to the decode tier in tests of the tiers' own choices."""
+def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4, max_local=0):
+    """max_local (max_local_prefill_tokens): 0 unless a test is about it, so that a burst's
+    growing prefill queue does not move prompts to the decode tier in tests of the tiers'
+    own choices."""
     metrics = GatewayMetrics("t")
-    routing = RoutingConfig(policy=policy, load_margin=margin, local_prefill=local_prefill)
+    routing = RoutingConfig(policy=policy, load_margin=margin, max_local_prefill_tokens=max_local)
     names = {"PrefillWorker": "prefill", "DecodeWorker": "decode"}
     return Placer(CONFIG, routing, url, False, metrics, live=lambda d: frozenset(live[names[d]])), metrics
 
@@ -133,7 +134,7 @@ def test_a_prompt_goes_to_the_prefill_tier_while_it_keeps_up(redis_url):
     """An idle prefill tier (or one whose queue is shorter than the decode worker's work for
     the prompt at its step budget's rate) computes every prompt: decodes keep their ITL."""
     publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
-    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, local_prefill="auto")
+    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=512)
     (first, second) = place(p, 2)  # the second waits behind the first's 67 tokens: 67 < 2 x 67
     assert not first.local_prefill and not second.local_prefill
     assert first.prefill.replica == second.prefill.replica == "p1"
@@ -145,7 +146,7 @@ def test_a_prompt_goes_to_its_decode_worker_when_the_prefill_queue_would_start_i
     worker's own prompt work (max_step_slowdown 2: it computes prompts at half rate beside its
     decodes), prompts are computed where they decode; both tiers then share the burst."""
     publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
-    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, local_prefill="auto")
+    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=512)
     placements = place(p, 12)
     local = [pl.local_prefill for pl in placements]
     n = len(PROMPT)
@@ -159,8 +160,11 @@ def test_a_prompt_goes_to_its_decode_worker_when_the_prefill_queue_would_start_i
     assert p.in_flight.prefill_tokens["decode-d1"] == (sum(local) - 1) * n
 
 
-def test_never_sends_every_prompt_to_the_prefill_tier(redis_url):
-    publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {}))
-    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, local_prefill="never")
+@pytest.mark.parametrize("max_local", [0, len(PROMPT) - 1])
+def test_a_prompt_longer_than_the_local_cap_always_goes_to_the_prefill_tier(redis_url, max_local):
+    """Above max_local_prefill_tokens (0: every prompt) a prompt goes to the prefill tier
+    however long its queue: beside decodes it would slow them for many steps."""
+    publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
+    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=max_local)
     assert not any(pl.local_prefill for pl in place(p, 12))
     assert metrics.local_prefills._value.get() == 0
