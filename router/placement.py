@@ -310,13 +310,14 @@ class Placer:
 def computes_locally(prefill: Candidate, decode: Candidate, decode_uncached: int, step_slowdown: float,
                      max_local_tokens: int) -> bool:
     """Whether the decode worker should compute the prompt itself: a short one (at most
-    max_local_tokens uncached: a long one would slow its decodes for many steps) that it finishes, after the
-    prompt tokens already queued there, before the prefill worker would start it, behind its
-    queue. Both count in tokens of prefill work; while requests decode there, a decode worker
-    computes prompt tokens at (s - 1) / s of a prefill worker's rate (its step budget, s =
-    max_step_slowdown, keeps each step within s decode steps' time; s = 0: no cap, full rate).
-    So an idle or keeping-up prefill tier (an empty queue) always gets the prompt, and the
-    decodes keep their ITL; only a queue longer than the whole local work moves it."""
+    max_local_tokens uncached: a long one would slow its decodes for many steps) that it
+    finishes, after the prompt tokens already queued there, before the prefill worker would
+    start it, behind its queue. Both count in tokens of prefill work; while requests decode
+    there, a decode worker computes prompt tokens at (s - 1) / s of a prefill worker's rate
+    (its step budget, s = max_step_slowdown, keeps each step within s decode steps' time;
+    s = 0: no cap, full rate). So an idle or keeping-up prefill tier (an empty queue) always
+    gets the prompt, and the decodes keep their ITL; only a queue longer than the whole local
+    work moves it."""
     if decode_uncached > max_local_tokens:
         return False
     slower = step_slowdown / (step_slowdown - 1.0) if decode.requests and step_slowdown > 0 else 1.0

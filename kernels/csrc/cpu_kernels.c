@@ -452,7 +452,8 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
         }
 #endif
         /* a block's weight bytes; the pair after ob, shared among its row groups */
-        const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (dtype == BF16 ? 2 : 4), groups = (B + PACK_ROWS - 1) / PACK_ROWS;
+        const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (dtype == BF16 ? 2 : 4);
+        const int64_t groups = (B + PACK_ROWS - 1) / PACK_ROWS;
         const int64_t steps = pairs ? KP : K, pf_step = (2 * block_bytes / groups + steps - 1) / steps;
         for (int64_t ob = b0; ob < b1 && !amx; ob += 2) {
             const int no = b1 - ob >= 2 ? 2 : 1;
@@ -902,7 +903,8 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
 #if defined(__AVX512BF16__)
                 uint32_t *kt2 = (uint32_t *)kt;
                 for (int64_t j = 0; j < VLEN; j++) {
-                    const uint32_t *kr = j < n ? cache_row(k_cache, BF16, table, p0 + j, block_size, row, h0 + h, D) : NULL;
+                    const uint32_t *kr =
+                        j < n ? cache_row(k_cache, BF16, table, p0 + j, block_size, row, h0 + h, D) : NULL;
                     for (int64_t dp = 0; dp < D / 2; dp++) kt2[dp * VLEN + j] = kr ? kr[dp] : 0;
                 }
                 for (int64_t m = first; m < M; m += SCORE_QUERIES) {
@@ -914,7 +916,8 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
 #endif
             } else {
                 for (int64_t j = 0; j < VLEN; j++) {
-                    const void *kr = j < n ? cache_row(k_cache, kv_dtype, table, p0 + j, block_size, row, h0 + h, D) : NULL;
+                    const void *kr =
+                        j < n ? cache_row(k_cache, kv_dtype, table, p0 + j, block_size, row, h0 + h, D) : NULL;
                     for (int64_t d = 0; d < D; d++) kt[d * VLEN + j] = kr ? load_one(kr, d, kv_dtype) : 0.f;
                 }
                 for (int64_t m = first; m < M; m += SCORE_QUERIES) {
@@ -947,8 +950,10 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
             for (int64_t p0 = 0; p0 < Lmax; p0 += 16) {
                 while (L[first / G] <= p0) first += G;
                 for (int64_t pp = 0; pp < 8; pp++) { /* positions p0 + 2 pp and + 1, interleaved (zeros past Lmax) */
-                    const bf16_t *v0 = p0 + 2 * pp < Lmax ? cache_row(v_cache, BF16, table, p0 + 2 * pp, block_size, row, h0 + h, D) : NULL;
-                    const bf16_t *v1 = p0 + 2 * pp + 1 < Lmax ? cache_row(v_cache, BF16, table, p0 + 2 * pp + 1, block_size, row, h0 + h, D) : NULL;
+                    const int64_t p = p0 + 2 * pp;
+                    const bf16_t *v0 = p < Lmax ? cache_row(v_cache, BF16, table, p, block_size, row, h0 + h, D) : NULL;
+                    const bf16_t *v1 =
+                        p + 1 < Lmax ? cache_row(v_cache, BF16, table, p + 1, block_size, row, h0 + h, D) : NULL;
                     for (int64_t d = 0; d < D; d++) vt2[pp * D + d] = (v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
                 }
                 for (int64_t m = first; m < M; m += ATTEND_HEADS) {
@@ -972,7 +977,8 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
             const int64_t n = Lmax - p0 < VLEN ? Lmax - p0 : VLEN;
             while (L[first / G] <= p0) first += G;
             for (int64_t j = 0; j < n; j++)
-                load_row(vg + j * D, cache_row(v_cache, kv_dtype, table, p0 + j, block_size, row, h0 + h, D), D, kv_dtype);
+                load_row(vg + j * D, cache_row(v_cache, kv_dtype, table, p0 + j, block_size, row, h0 + h, D), D,
+                         kv_dtype);
             for (int64_t m = first; m < M; m += ATTEND_HEADS) {
                 const int heads = M - m < ATTEND_HEADS ? (int)(M - m) : ATTEND_HEADS;
 #define VALUES(H) head_values(o + m * D, s + m * LS + p0, LS, vg, D, n, D, H, F32)
@@ -992,11 +998,14 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
 static inline __attribute__((always_inline)) __m512 sums16(const __m512 *v) {
     __m512 t[8], u[4], w[2];
     for (int i = 0; i < 8; i++) /* 256-bit halves: t[i] = 8 partials of v[2i], then 8 of v[2i+1] */
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
     for (int i = 0; i < 4; i++) /* 128-bit lanes: u[i] = 4 partials each of v[4i .. 4i+4) */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
     for (int i = 0; i < 2; i++) /* lane k of w[i]: 2 partials of v[8i + k], then of v[8i + 4 + k] */
-        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
     /* lane (k, l) of x: the sum of v[k + 4 l] */
     const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -1019,8 +1028,11 @@ static void pair_scores(float *scores, int64_t s_stride, const float *qf, float 
         const bf16_t *rows[16];
         for (int64_t j = 0, b0 = -1; j < n; j++) { /* a block's rows are row apart */
             const int64_t blk = (p0 + j) / block_size;
-            if (blk != b0) b0 = blk, rows[j] = (const bf16_t *)k_cache + ((int64_t)table[blk] * block_size + (p0 + j) % block_size) * row + h0 * D;
-            else rows[j] = rows[j - 1] + row;
+            if (blk != b0)
+                b0 = blk, rows[j] = (const bf16_t *)k_cache +
+                                    ((int64_t)table[blk] * block_size + (p0 + j) % block_size) * row + h0 * D;
+            else
+                rows[j] = rows[j - 1] + row;
         }
         const int64_t b = p0 / block_size; /* the block after p0's, a part per query head */
         const char *next = p0 % block_size == 0 ? block_after(k_cache, BF16, table, b, Lmax, block_size, row) : NULL;
@@ -1379,7 +1391,8 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
     for (int64_t i = 0; i < runs; i++) order[i] = i;
     if (longest > 1)
         for (int64_t i = 1; i < runs; i++)
-            for (int64_t j = i; j > 0 && run_work(run_start, context_lens, order[j]) > run_work(run_start, context_lens, order[j - 1]); j--) {
+            for (int64_t j = i; j > 0; j--) {
+                if (run_work(run_start, context_lens, order[j]) <= run_work(run_start, context_lens, order[j - 1])) break;
                 const int64_t t = order[j];
                 order[j] = order[j - 1], order[j - 1] = t;
             }
