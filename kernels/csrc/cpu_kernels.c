@@ -174,6 +174,11 @@ static inline float hsum(vecf v) {
 #define PACK_BLOCK(dtype) (PAIRS(dtype) ? 16 : VLEN)
 /* Input rows per register block: M accumulators x 2 output blocks must fit the registers. */
 #define PACK_ROWS (VLEN >= 16 ? 8 : 4)
+/* Output blocks per pass of the fp32-FMA kernel (packed_block): with AVX2's 16 registers, 4
+   rows x 3 blocks = 12 independent sums (2 x 4 = 8 left the FMA units waiting on their
+   latency: AVX2, 1 thread, 8 rows, 576 x 1536, weights in cache: 67 GFLOP/s); with
+   AVX-512's 32, 8 rows x 2 blocks already give 16. The bf16-pairs kernels take 2. */
+#define PACK_NO (VLEN >= 16 ? 2 : 3)
 
 /* The linear's weights come from memory (a step reads every layer's once; they are long gone
    from the caches by the next step), and the hardware prefetcher does not run far enough
@@ -303,12 +308,12 @@ int pd_amx_tiles(void) {
 static inline __attribute__((always_inline)) void packed_block(const float *x, int64_t K, const void *wp, const int wdtype,
                                                                float *y, int64_t y_stride, const int M, const int NO,
                                                                const char *pf, int64_t pf_step) {
-    vecf acc[PACK_ROWS][2];
+    vecf acc[PACK_ROWS][PACK_NO];
     for (int m = 0; m < M; m++)
         for (int j = 0; j < NO; j++) acc[m][j] = (vecf){0};
     for (int64_t k = 0; k < K; k++) {
         prefetch_share(pf, k, pf_step);
-        vecf wv[2];
+        vecf wv[PACK_NO];
         for (int j = 0; j < NO; j++) wv[j] = load_vec(at(wp, (j * K + k) * VLEN, wdtype), wdtype);
         for (int m = 0; m < M; m++)
             for (int j = 0; j < NO; j++) acc[m][j] += x[m * K + k] * wv[j];
@@ -389,8 +394,8 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
    NULL, residual: [B, O] or NULL, y: [B, O] (dtype); norm_w: [K] (dtype) for LINEAR_RMS_NORM.
    y = prologue(x) @ w.T + bias, then + residual: the linear's output is rounded to dtype
    before the residual is added, as torch's `h + linear(x)` rounds it.
-   Threads split the output blocks; each pair of blocks (at most 2 x 16 x K weights, L2-sized)
-   serves every group of PACK_ROWS input rows before the next pair is read, so the weights
+   Threads split the output blocks; each pass over 2 or 3 of them (PACK_NO; L2-sized) serves
+   every group of PACK_ROWS input rows before the next pass reads its blocks, so the weights
    come from memory once whatever B is. */
 void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const void *wp, const void *bias,
                const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int nthreads) {
@@ -451,13 +456,14 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
             _tile_release();
         }
 #endif
-        /* a block's weight bytes; the pair after ob, shared among its row groups */
-        const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (dtype == BF16 ? 2 : 4);
+        /* a block's weight bytes; the blocks of the next pass, shared among its row groups */
+        const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (dtype == BF16 ? 2 : 4), per_pass = pairs ? 2 : PACK_NO;
         const int64_t groups = (B + PACK_ROWS - 1) / PACK_ROWS;
-        const int64_t steps = pairs ? KP : K, pf_step = (2 * block_bytes / groups + steps - 1) / steps;
-        for (int64_t ob = b0; ob < b1 && !amx; ob += 2) {
-            const int no = b1 - ob >= 2 ? 2 : 1;
-            const char *next = ob + 2 < b1 && B >= PREFETCH_MIN_ROWS ? (const char *)wp + (ob + 2) * block_bytes : NULL;
+        const int64_t steps = pairs ? KP : K, pf_step = (per_pass * block_bytes / groups + steps - 1) / steps;
+        for (int64_t ob = b0; ob < b1 && !amx; ob += per_pass) {
+            const int no = b1 - ob >= per_pass ? (int)per_pass : (int)(b1 - ob);
+            const char *next =
+                ob + per_pass < b1 && B >= PREFETCH_MIN_ROWS ? (const char *)wp + (ob + per_pass) * block_bytes : NULL;
             for (int64_t m0 = 0; m0 < B; m0 += PACK_ROWS) {
                 const int mm = B - m0 < PACK_ROWS ? (int)(B - m0) : PACK_ROWS;
                 const char *pf = next ? next + m0 / PACK_ROWS * pf_step * steps : NULL;
@@ -475,10 +481,12 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
                 const float *xb = (const float *)xc + m0 * K;
                 const void *wb = at(wp, ob * K * VLEN, dtype);
                 /* constant dtype, rows and blocks in each call: no branch is left in the loop */
-#define CALL_F32(M) (no == 2 ? packed_block(xb, K, wb, F32, yb, OP, M, 2, pf, pf_step) \
-                             : packed_block(xb, K, wb, F32, yb, OP, M, 1, pf, pf_step))
-#define CALL_BF16(M) (no == 2 ? packed_block(xb, K, wb, BF16, yb, OP, M, 2, pf, pf_step) \
-                              : packed_block(xb, K, wb, BF16, yb, OP, M, 1, pf, pf_step))
+#define CALL_F32(M) (no == 3   ? packed_block(xb, K, wb, F32, yb, OP, M, PACK_NO, pf, pf_step) \
+                     : no == 2 ? packed_block(xb, K, wb, F32, yb, OP, M, 2, pf, pf_step)       \
+                               : packed_block(xb, K, wb, F32, yb, OP, M, 1, pf, pf_step))
+#define CALL_BF16(M) (no == 3   ? packed_block(xb, K, wb, BF16, yb, OP, M, PACK_NO, pf, pf_step) \
+                      : no == 2 ? packed_block(xb, K, wb, BF16, yb, OP, M, 2, pf, pf_step)       \
+                                : packed_block(xb, K, wb, BF16, yb, OP, M, 1, pf, pf_step))
                 if (dtype == BF16) {
                     PACK_CASES(CALL_BF16)
                 } else {
