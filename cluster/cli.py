@@ -22,7 +22,7 @@ from cluster.model.families import UnsupportedModelError
 from cluster.model.loader import ModelLoadError
 from cluster.serve_main import run_serve, run_status
 from cluster.serve_options import add_serve_flags as add_config_flags
-from cluster.testing.random_checkpoint import make_model
+from cluster.testing.random_checkpoint import ARCHS, SIZES, make_model
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     mm = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint with a locally trained tokenizer")
-    mm.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
-    mm.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    mm.add_argument("--arch", choices=ARCHS, default="llama")
+    mm.add_argument("--size", choices=SIZES, default="tiny", help="smollm2: SmolLM2-135M's shape, vocab 4096 (the benchmarks')")
     mm.add_argument("--out", required=True)
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "smollm2")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -167,10 +167,21 @@ _SIZE_CONFIG: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     ),
+    # SmolLM2-135M's shape with a 4096-token vocabulary: the README's benchmark model.
+    "smollm2": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
 }
 _QWEN3_TINY_HEAD_DIM = 32  # != hidden/heads (16): catches code that assumes head_dim = hidden/heads
-_TOKENIZER_VOCAB = {"tiny": 512, "small": 8000}
-_MODEL_VOCAB = {"tiny": None, "small": 32000}  # None: exactly the tokenizer's size
+_TOKENIZER_VOCAB = {"tiny": 512, "small": 8000, "smollm2": 4096}
+_MODEL_VOCAB = {"tiny": None, "small": 32000, "smollm2": None}  # None: exactly the tokenizer's size
 
 # ----------------------------------------------------------------------------- corpus
 

@@ -229,6 +229,15 @@ def test_small_parameter_count():
         assert 80e6 <= count_parameters(cfg) <= 130e6, (arch, count_parameters(cfg))
 
 
+def test_the_benchmark_shape_is_smollm2_135m_with_a_4096_vocabulary():
+    tok, _ = train_tokenizer("llama", "smollm2")
+    cfg = model_config("llama", "smollm2", tok)
+    assert cfg["vocab_size"] == tok.get_vocab_size(with_added_tokens=True) == 4096
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["intermediate_size"], cfg["head_dim"]) == (576, 30, 9, 3, 1536, 64)
+    assert 105e6 <= count_parameters(cfg) <= 110e6  # SmolLM2-135M less 45k embedding rows
+
+
 @pytest.mark.slow
 def test_make_small_llama(tmp_path):
     """The benchmark checkpoint really builds (~5 s, ~400 MB on disk)."""
