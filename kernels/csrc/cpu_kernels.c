@@ -187,6 +187,7 @@ static inline float hsum(vecf v) {
    while a block pair computes, its row groups prefetch the next pair's weights, each group a
    share spread over its k steps: the loads overlap the FMAs, in every row group.
    prefetch_share: at step i, the bytes [i step, (i + 1) step) from pf (NULL: none). */
+#define LINEAR_CHUNK_PASSES 2 /* passes a thread takes at a time (pd_linear) */
 #define PREFETCH_MIN_ROWS 4 /* below, the memory is the whole cost: the hardware prefetcher alone streams faster */
 static inline __attribute__((always_inline)) void prefetch_share(const char *pf, int64_t i, int64_t step) {
     if (pf)
@@ -394,9 +395,13 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
    NULL, residual: [B, O] or NULL, y: [B, O] (dtype); norm_w: [K] (dtype) for LINEAR_RMS_NORM.
    y = prologue(x) @ w.T + bias, then + residual: the linear's output is rounded to dtype
    before the residual is added, as torch's `h + linear(x)` rounds it.
-   Threads split the output blocks; each pass over 2 or 3 of them (PACK_NO; L2-sized) serves
-   every group of PACK_ROWS input rows before the next pass reads its blocks, so the weights
-   come from memory once whatever B is. */
+   Each pass over 2 or 3 output blocks (PACK_NO; L2-sized) serves every group of PACK_ROWS
+   input rows before the next pass reads its blocks, so the weights come from memory once
+   whatever B is. Threads take passes LINEAR_CHUNK_PASSES at a time, not a fixed share: on
+   cores shared with other processes (the gateway, HAProxy, a client), a thread that loses
+   its core leaves the rest of the linear to the others instead of holding every thread at
+   the region's end (offline, 2 threads beside a process taking a third of one core: a fixed
+   share lost 29% of the engine's throughput, where the CPU taken was 17%). */
 void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const void *wp, const void *bias,
                const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int nthreads) {
     if (B <= 0) return; /* a step that samples no row asks for no logits */
@@ -440,10 +445,10 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
     }
 #pragma omp parallel num_threads(nthreads < blocks ? nthreads : (int)blocks)
     {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
 #if defined(HAVE_AMX)
-        if (amx) {
+        if (amx) { /* a fixed share of the blocks per thread */
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
             amx_configure();
             for (int64_t ob = b0; ob < b1; ob += 2)
                 for (int64_t m0 = 0; m0 < rows; m0 += AMX_ROWS) {
@@ -458,12 +463,14 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
 #endif
         /* a block's weight bytes; the blocks of the next pass, shared among its row groups */
         const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (dtype == BF16 ? 2 : 4), per_pass = pairs ? 2 : PACK_NO;
-        const int64_t groups = (B + PACK_ROWS - 1) / PACK_ROWS;
+        const int64_t groups = (B + PACK_ROWS - 1) / PACK_ROWS, passes = (blocks + per_pass - 1) / per_pass;
         const int64_t steps = pairs ? KP : K, pf_step = (per_pass * block_bytes / groups + steps - 1) / steps;
-        for (int64_t ob = b0; ob < b1 && !amx; ob += per_pass) {
-            const int no = b1 - ob >= per_pass ? (int)per_pass : (int)(b1 - ob);
-            const char *next =
-                ob + per_pass < b1 && B >= PREFETCH_MIN_ROWS ? (const char *)wp + (ob + per_pass) * block_bytes : NULL;
+#pragma omp for schedule(dynamic, LINEAR_CHUNK_PASSES)
+        for (int64_t pass = 0; pass < (amx ? 0 : passes); pass++) {
+            const int64_t ob = pass * per_pass;
+            const int no = blocks - ob >= per_pass ? (int)per_pass : (int)(blocks - ob);
+            const char *next = pass + 1 < passes && B >= PREFETCH_MIN_ROWS ? (const char *)wp + (ob + per_pass) * block_bytes
+                                                                           : NULL;
             for (int64_t m0 = 0; m0 < B; m0 += PACK_ROWS) {
                 const int mm = B - m0 < PACK_ROWS ? (int)(B - m0) : PACK_ROWS;
                 const char *pf = next ? next + m0 / PACK_ROWS * pf_step * steps : NULL;
