@@ -184,10 +184,13 @@ static inline float hsum(vecf v) {
    from the caches by the next step), and the hardware prefetcher does not run far enough
    ahead: a cold linear took its compute time plus its memory time (1 thread, AMD EPYC, bf16
    576 x 1536: 8 rows 71 us with the weights in cache, 133 us without; 1 row 30 / 85 us). So
-   while a block pair computes, its row groups prefetch the next pair's weights, each group a
-   share spread over its k steps: the loads overlap the FMAs, in every row group.
-   prefetch_share: at step i, the bytes [i step, (i + 1) step) from pf (NULL: none). */
-#define LINEAR_CHUNK_PASSES 2 /* passes a thread takes at a time (pd_linear) */
+   while a block pair computes, its row groups prefetch the weights of the pass this thread
+   runs next, each group a share spread over its k steps: the loads overlap the FMAs, in every
+   row group. prefetch_share: at step i, the bytes [i step, (i + 1) step) from pf (NULL: none). */
+#define LINEAR_CLAIM_PASSES 2 /* consecutive passes a thread claims at a time (pd_linear): one stream for the hardware prefetcher */
+static inline int64_t claim_passes(int64_t *claimed) {
+    return __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED) * LINEAR_CLAIM_PASSES;
+}
 #define PREFETCH_MIN_ROWS 4 /* below, the memory is the whole cost: the hardware prefetcher alone streams faster */
 static inline __attribute__((always_inline)) void prefetch_share(const char *pf, int64_t i, int64_t step) {
     if (pf)
@@ -397,11 +400,14 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
    before the residual is added, as torch's `h + linear(x)` rounds it.
    Each pass over 2 or 3 output blocks (PACK_NO; L2-sized) serves every group of PACK_ROWS
    input rows before the next pass reads its blocks, so the weights come from memory once
-   whatever B is. Threads take passes LINEAR_CHUNK_PASSES at a time, not a fixed share: on
-   cores shared with other processes (the gateway, HAProxy, a client), a thread that loses
-   its core leaves the rest of the linear to the others instead of holding every thread at
-   the region's end (offline, 2 threads beside a process taking a third of one core: a fixed
-   share lost 29% of the engine's throughput, where the CPU taken was 17%). */
+   whatever B is. Threads claim passes one at a time, not a fixed share: on cores shared
+   with other processes (the gateway, HAProxy, a client), a thread that loses its core leaves
+   the rest of the linear to the others instead of holding every thread at the region's end
+   (offline, 2 threads beside a process taking a third of one core: a fixed share lost 29% of
+   the engine's throughput, where the CPU taken was 17%). Each thread claims its next passes
+   before it computes these, so that it prefetches weights it will read itself (OpenMP's
+   dynamic schedule hands out passes without saying which comes next: prefetching pass + 1
+   warmed the other thread's pass half the time, and 8 fp32 rows took 1.20x a fixed share). */
 void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const void *wp, const void *bias,
                const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int nthreads) {
     if (B <= 0) return; /* a step that samples no row asks for no logits */
@@ -443,6 +449,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
         }
         free(norm_wf);
     }
+    int64_t claimed = 0; /* claims of LINEAR_CLAIM_PASSES passes handed out */
 #pragma omp parallel num_threads(nthreads < blocks ? nthreads : (int)blocks)
     {
 #if defined(HAVE_AMX)
@@ -465,11 +472,17 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
         const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (dtype == BF16 ? 2 : 4), per_pass = pairs ? 2 : PACK_NO;
         const int64_t groups = (B + PACK_ROWS - 1) / PACK_ROWS, passes = (blocks + per_pass - 1) / per_pass;
         const int64_t steps = pairs ? KP : K, pf_step = (per_pass * block_bytes / groups + steps - 1) / steps;
-#pragma omp for schedule(dynamic, LINEAR_CHUNK_PASSES)
-        for (int64_t pass = 0; pass < (amx ? 0 : passes); pass++) {
-            const int64_t ob = pass * per_pass;
+        const int64_t last = amx ? 0 : passes;
+        /* This thread's passes [mine, mine + LINEAR_CLAIM_PASSES), and its next claim, made now
+           where its weights are to be prefetched (otherwise `last`, and the claim is made when
+           due: a thread that loses its core then holds up no passes but those it computes). */
+        const int ahead = B >= PREFETCH_MIN_ROWS;
+        for (int64_t mine = claim_passes(&claimed), after = ahead ? claim_passes(&claimed) : last; mine < last;
+             mine = ahead ? after : claim_passes(&claimed), after = ahead ? claim_passes(&claimed) : last)
+        for (int64_t pass = mine, end = mine + LINEAR_CLAIM_PASSES < last ? mine + LINEAR_CLAIM_PASSES : last; pass < end; pass++) {
+            const int64_t ob = pass * per_pass, following = pass + 1 < end ? pass + 1 : after;
             const int no = blocks - ob >= per_pass ? (int)per_pass : (int)(blocks - ob);
-            const char *next = pass + 1 < passes && B >= PREFETCH_MIN_ROWS ? (const char *)wp + (ob + per_pass) * block_bytes
+            const char *next = following < last && B >= PREFETCH_MIN_ROWS ? (const char *)wp + following * per_pass * block_bytes
                                                                            : NULL;
             for (int64_t m0 = 0; m0 < B; m0 += PACK_ROWS) {
                 const int mm = B - m0 < PACK_ROWS ? (int)(B - m0) : PACK_ROWS;
