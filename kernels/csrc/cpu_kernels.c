@@ -1374,6 +1374,26 @@ static void amx_attend(float *acc, const float *qf, const void *k_cache, const v
 #define RUN_MIN_ROWS 16
 
 /* Run i's attention work: its rows times its longest context. */
+/* An item's K and V cache blocks (the first L positions of its table), requested before it
+   computes, up to ITEM_PREFETCH_BYTES: its passes then find them in cache. The next-block
+   prefetch inside the passes alone keeps too few reads in flight. Side by side over a cold
+   cache (30 layers, 2 threads, AMD EPYC), with this: decode of 8 sequences at 300 tokens
+   0.78x the time in fp32 capped at AVX2, 0.94x in bf16 (AVX512-BF16); at 1000 tokens, more
+   than L2 holds (the rest waits in L3), 0.82-0.94x and 0.95x; a 32-token prompt chunk at
+   1024 0.95x and 0.79x. The bound keeps a very long context from evicting its own first
+   blocks before they are read. */
+#define ITEM_PREFETCH_BYTES (4 << 20)
+static void prefetch_item(const void *k_cache, const void *v_cache, int dtype, const int32_t *table, int64_t L,
+                          int64_t block_size, int64_t row) {
+    const int64_t bytes = block_size * row * (dtype == BF16 ? 2 : 4); /* a block of one cache */
+    for (int64_t b = 0; b * block_size < L && 2 * b * bytes < ITEM_PREFETCH_BYTES; b++) {
+        const char *k = at(k_cache, (int64_t)table[b] * block_size * row, dtype);
+        const char *v = at(v_cache, (int64_t)table[b] * block_size * row, dtype);
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(k + off, 0, 2), __builtin_prefetch(v + off, 0, 2);
+        __asm__ volatile("" ::: "memory"); /* GCC drops a finite loop of nothing but prefetches as dead code */
+    }
+}
+
 static inline int64_t run_work(const int64_t *run_start, const int32_t *lens, int64_t i) {
     return (run_start[i + 1] - run_start[i]) * lens[run_start[i + 1] - 1];
 }
@@ -1437,6 +1457,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
             const int64_t h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
             const int64_t L = context_lens[b0 + R - 1], nq = (h1 - h0) * G;
             if (L > 0) {
+                prefetch_item(k_cache, v_cache, kv_dtype, block_tables + b0 * table_stride, L, block_size, row);
                 for (int64_t r = 0; r < R; r++) {
                     float *qr = qf + r * nq * D;
                     load_row(qr, at(q, (b0 + r) * q_stride + h0 * G * D, q_dtype), nq * D, q_dtype);
