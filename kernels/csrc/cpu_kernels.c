@@ -187,7 +187,8 @@ static inline float hsum(vecf v) {
    while a block pair computes, its row groups prefetch the weights of the pass this thread
    runs next, each group a share spread over its k steps: the loads overlap the FMAs, in every
    row group. prefetch_share: at step i, the bytes [i step, (i + 1) step) from pf (NULL: none). */
-#define LINEAR_CLAIM_PASSES 2 /* consecutive passes a thread claims at a time (pd_linear): one stream for the hardware prefetcher */
+/* Consecutive passes a thread claims at a time (pd_linear): one stream for the hardware prefetcher. */
+#define LINEAR_CLAIM_PASSES 2
 static inline int64_t claim_passes(int64_t *claimed) {
     return __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED) * LINEAR_CLAIM_PASSES;
 }
@@ -400,7 +401,7 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
    before the residual is added, as torch's `h + linear(x)` rounds it.
    Each pass over 2 or 3 output blocks (PACK_NO; L2-sized) serves every group of PACK_ROWS
    input rows before the next pass reads its blocks, so the weights come from memory once
-   whatever B is. Threads claim passes one at a time, not a fixed share: on cores shared
+   whatever B is. Threads claim passes as they go, not a fixed share: on cores shared
    with other processes (the gateway, HAProxy, a client), a thread that loses its core leaves
    the rest of the linear to the others instead of holding every thread at the region's end
    (offline, 2 threads beside a process taking a third of one core: a fixed share lost 29% of
@@ -479,7 +480,8 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
         const int ahead = B >= PREFETCH_MIN_ROWS;
         for (int64_t mine = claim_passes(&claimed), after = ahead ? claim_passes(&claimed) : last; mine < last;
              mine = ahead ? after : claim_passes(&claimed), after = ahead ? claim_passes(&claimed) : last)
-        for (int64_t pass = mine, end = mine + LINEAR_CLAIM_PASSES < last ? mine + LINEAR_CLAIM_PASSES : last; pass < end; pass++) {
+        for (int64_t pass = mine, end = mine + LINEAR_CLAIM_PASSES < last ? mine + LINEAR_CLAIM_PASSES : last; pass < end;
+             pass++) {
             const int64_t ob = pass * per_pass, following = pass + 1 < end ? pass + 1 : after;
             const int no = blocks - ob >= per_pass ? (int)per_pass : (int)(blocks - ob);
             const char *next = following < last && B >= PREFETCH_MIN_ROWS ? (const char *)wp + following * per_pass * block_bytes
@@ -1373,7 +1375,6 @@ static void amx_attend(float *acc, const float *qf, const void *k_cache, const v
 #define RUN_MAX_ROWS 64
 #define RUN_MIN_ROWS 16
 
-/* Run i's attention work: its rows times its longest context. */
 /* An item's K and V cache blocks (the first L positions of its table), requested before it
    computes, up to ITEM_PREFETCH_BYTES: its passes then find them in cache. The next-block
    prefetch inside the passes alone keeps too few reads in flight. Side by side over a cold
@@ -1394,6 +1395,7 @@ static void prefetch_item(const void *k_cache, const void *v_cache, int dtype, c
     }
 }
 
+/* Run i's attention work: its rows times its longest context. */
 static inline int64_t run_work(const int64_t *run_start, const int32_t *lens, int64_t i) {
     return (run_start[i + 1] - run_start[i]) * lens[run_start[i + 1] - 1];
 }
