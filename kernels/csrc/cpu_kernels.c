@@ -676,6 +676,29 @@ static inline __attribute__((always_inline)) void head_scores(float *s, int64_t 
     }
 }
 
+#if VLEN == 8
+/* The sums of v[0..8)'s lanes, as one vector (lane j: v[j]'s): a transposing tree of 7 adds
+   instead of a horizontal sum (3 shuffles and adds) per vector. */
+static inline __attribute__((always_inline)) __m256 sums8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* halves: 4 partials of each v[j] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* s[0..8) = q . k_j for the 8 fp32 cache rows k_j (row apart from k), D a multiple of 8. */
+static inline __attribute__((always_inline)) void eight_scores(float *s, const float *q, const float *k, int64_t row,
+                                                               int64_t D) {
+    __m256 dot[8];
+    for (int j = 0; j < 8; j++) dot[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) dot[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * row + d), dot[j]);
+    }
+    _mm256_storeu_ps(s, sums8(dot));
+}
+#endif
+
 /* acc_i += sum_j w_i[j] v_j over dims [d0, d0 + VECS VLEN), for the `heads` query heads (acc_i
    at acc + i D, w_i at w + i w_stride) and n cache rows v_j (dtype, row apart from v). */
 static inline __attribute__((always_inline)) void head_values_at(float *acc, const float *w, int64_t w_stride,
@@ -747,7 +770,14 @@ static inline __attribute__((always_inline)) void attend_pass(int values, float 
                         continue;
                     }
                     const float *qh = qf + (r * nq + hq) * D;
-                    for (int64_t j = 0; j < nr; j++) {
+                    int64_t j = 0;
+#if VLEN == 8
+                    if (dtype == F32 && D % 8 == 0) /* AVX2: 8 rows' scores at a time, head by head */
+                        for (; j + 8 <= nr; j += 8)
+                            for (int i = 0; i < heads; i++)
+                                eight_scores(sh + i * Lmax + j, qh + i * D, (const float *)at(kv, j * row, F32), row, D);
+#endif
+                    for (; j < nr; j++) {
 #define SCORES(H) head_scores(sh + j, Lmax, qh, at(kv, j * row, dtype), D, H, dtype)
                         HEAD_CASES(SCORES)
 #undef SCORES
