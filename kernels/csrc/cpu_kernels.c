@@ -484,8 +484,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
              pass++) {
             const int64_t ob = pass * per_pass, following = pass + 1 < end ? pass + 1 : after;
             const int no = blocks - ob >= per_pass ? (int)per_pass : (int)(blocks - ob);
-            const char *next = following < last && B >= PREFETCH_MIN_ROWS ? (const char *)wp + following * per_pass * block_bytes
-                                                                           : NULL;
+            const char *next = ahead && following < last ? (const char *)wp + following * per_pass * block_bytes : NULL;
             for (int64_t m0 = 0; m0 < B; m0 += PACK_ROWS) {
                 const int mm = B - m0 < PACK_ROWS ? (int)(B - m0) : PACK_ROWS;
                 const char *pf = next ? next + m0 / PACK_ROWS * pf_step * steps : NULL;
