@@ -32,8 +32,8 @@ class EngineWorker:
         `redis_url`: it publishes its prefix cache to the index there."""
         self.replica = replica_unique_id()
         self.worker_id = worker_id(self.tier, self.replica)
-        engine = Engine(engine_config)
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine(lambda: Engine(engine_config))
+        engine = self.engine.engine
         self.kv_caches = engine.runner.kv_caches
         self.shard = engine.loaded.model.shard  # rank 0's; the other ranks are engine.ranks' actors
         self.num_kv_heads = engine.loaded.arch.num_kv_heads

@@ -1,6 +1,12 @@
 """Streaming front of the Engine for async callers (the workers' interface).
 
-One background thread owns the Engine and steps it; nothing else touches it.
+One background thread builds the Engine, owns it and steps it; nothing else touches it.
+It builds it too because the thread that steps must be the process's only OpenMP master:
+libgomp spins at a barrier only while the threads it manages are no more than the CPUs,
+and the idle team of another thread that once ran a parallel region (the one that loaded
+the model) counts. Past that, every barrier sleeps in the kernel: a batch-8 step of 2
+threads went from 13.1-13.7 to 14.9-15.5 ms offline with one such team (one futex sleep per
+barrier, ~250 a step), and a served replica's two threads spent half their time asleep.
 Callers hand work in through a thread-safe inbox (add, abort) and get deltas on a
 per-request asyncio queue. A caller that stops iterating (cancelled, disconnected)
 aborts its request, which frees its blocks on the engine thread.
@@ -19,6 +25,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -70,16 +77,19 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, build: Callable[[], Engine]):
+        """Build the engine with `build()` on the engine thread, then serve it; the build's
+        exception, if any, is raised here."""
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
         self._closed = False
         self.dead: EngineDeadError | None = None
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        built: Future[Engine] = Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="pdserve-engine", daemon=True)
         self._thread.start()
+        self.engine = built.result()
 
     async def generate(
         self,
@@ -173,7 +183,13 @@ class AsyncEngine:
         self._wakeup.set()
 
     # ---- engine thread ---------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Engine], built: Future[Engine]) -> None:
+        try:
+            self.engine = build()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
         try:
             self._loop()
         finally:

@@ -1,6 +1,7 @@
 """Engine behaviour through its public API on a real tiny checkpoint."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_abort_frees_blocks(engine):
 def test_async_stream_matches_batch_and_cancel_aborts(engine):
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     expected = engine.generate(["stream me"], greedy)[0]
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(lambda: engine)
 
     async def collect():
         tokens, text, last = [], "", None
@@ -134,3 +135,29 @@ def test_async_stream_matches_batch_and_cancel_aborts(engine):
         aengine.shutdown()
     engine.check_integrity()
     assert engine.pool.num_used_blocks == 0
+
+
+def test_async_engine_builds_its_engine_on_the_engine_thread(tiny_llama):
+    """The thread that steps is the only one that ever ran the model (its OpenMP master:
+    cluster/engine/async_engine.py), and a build that fails fails the constructor."""
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return Engine.from_pretrained(str(tiny_llama), dtype="float32", max_model_len=64,
+                                      cache=CacheConfig(block_size=8, num_blocks=16))
+
+    aengine = AsyncEngine(build)
+    try:
+        assert built_on == [aengine._thread] and built_on[0] is not threading.current_thread()
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+        async def collect():
+            return [d async for d in aengine.generate("hello", greedy)]
+
+        deltas = asyncio.run(collect())
+        assert sum(len(d.new_token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"
+    finally:
+        aengine.shutdown()
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        AsyncEngine(lambda: Engine.from_pretrained("/nonexistent/model"))
