@@ -28,6 +28,8 @@ def tier_options(tier: TierConfig) -> dict:
     actor_options = {"num_cpus": tier.num_cpus, "num_gpus": tier.num_gpus}
     if tier.resources:
         actor_options["resources"] = dict(tier.resources)
+    if tier.env:
+        actor_options["runtime_env"] = {"env_vars": dict(tier.env)}
     scaling = {"autoscaling_config": tier.autoscaling} if tier.autoscaling else {"num_replicas": tier.num_replicas}
     placement = {}
     if tier.tensor_parallel_size > 1:

@@ -135,6 +135,7 @@ class TierConfig:
     num_gpus: float = 0.0
     resources: dict | None = None  # custom resources, e.g. {"prefill_node": 0.01} to pin a tier to its nodes
     torch_threads: int = 1  # torch intra-op threads per replica rank (replicas share the cores)
+    env: dict | None = None  # environment variables of its replicas' processes (Ray's runtime_env)
     # Tensor parallelism: ranks per replica, each a process with `num_cpus`/`num_gpus` of its
     # own (one bundle of the replica's placement group; STRICT_PACK keeps them on one node).
     tensor_parallel_size: int = 1

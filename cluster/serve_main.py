@@ -22,6 +22,7 @@ from cluster.model.builtin import model_or_builtin
 from cluster.model.families import parse_arch
 from cluster.model.loader import open_checkpoint
 from cluster.model.sharding import check_divisible
+from cluster.openmp import waiting_env
 from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
 from router.auth import load_api_keys
@@ -76,6 +77,23 @@ def cpus_requested(config) -> float:
     return sum(t.num_cpus * t.tensor_parallel_size * n for t, n in tiers)
 
 
+def compute_threads(config: ClusterConfig) -> int:
+    """Torch threads of all the cluster's worker ranks, at its most replicas."""
+    tiers = [config.decode] if config.colocated else [config.prefill, config.decode]
+    return sum(t.torch_threads * t.tensor_parallel_size * (t.autoscaling or {}).get("max_replicas", t.num_replicas)
+               for t in tiers)
+
+
+def on_this_machine(config: ClusterConfig) -> ClusterConfig:
+    """`config` for a cluster whose replicas all run on this machine: its workers wait
+    passively at OpenMP barriers if their threads outnumber its cores (cluster/openmp.py)."""
+    env = waiting_env(compute_threads(config), os.cpu_count() or 1)
+    if not env:
+        return config
+    prefill, decode = (dataclasses.replace(t, env={**env, **(t.env or {})}) for t in (config.prefill, config.decode))
+    return dataclasses.replace(config, prefill=prefill, decode=decode)
+
+
 def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True) -> str:
     """Start a local Ray whose Serve reaches its gateways by `ingress_mode`
     (cluster/ingress.py); returns the resolved mode, "direct" or "proxy"."""
@@ -110,6 +128,7 @@ def run_serve(args) -> int:
             ray.init(address=address, include_dashboard=False)
             ingress_mode = "the cluster's own (deploy/cluster.yaml)"
         else:
+            config = on_this_machine(config)
             ingress_mode = start_local_ray(max(os.cpu_count() or 1, math.ceil(cpus_requested(config))), config.ingress)
         # After ray.init: Ray's core installs a fatal-signal handler for SIGTERM that would
         # abort the process after ours ran; replacing it keeps SIGTERM a clean, drained stop.

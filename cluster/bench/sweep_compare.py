@@ -35,7 +35,7 @@ from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
 from cluster.config import INGRESS_MODES, CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
 from cluster.redis_server import PrivateRedis, free_port
-from cluster.serve_main import APP_NAME, start_local_ray
+from cluster.serve_main import APP_NAME, on_this_machine, start_local_ray
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -153,7 +153,7 @@ def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
         redis_url=args._redis.url,
         routing=dataclasses.replace(routing or RoutingConfig(), policy=target.routing or "kv_aware"),
     )
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(on_this_machine(config)), name=APP_NAME, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{args._http_port}"
     finally:

@@ -1,12 +1,8 @@
 """Streaming front of the Engine for async callers (the workers' interface).
 
 One background thread builds the Engine, owns it and steps it; nothing else touches it.
-It builds it too because the thread that steps must be the process's only OpenMP master:
-libgomp spins at a barrier only while the threads it manages are no more than the CPUs,
-and the idle team of another thread that once ran a parallel region (the one that loaded
-the model) counts. Past that, every barrier sleeps in the kernel: a batch-8 step of 2
-threads went from 13.1-13.7 to 14.9-15.5 ms offline with one such team (one futex sleep per
-barrier, ~250 a step), and a served replica's two threads spent half their time asleep.
+It builds it too: the thread that steps must be the process's only OpenMP master, and
+loading the model runs parallel ops (cluster/openmp.py).
 Callers hand work in through a thread-safe inbox (add, abort) and get deltas on a
 per-request asyncio queue. A caller that stops iterating (cancelled, disconnected)
 aborts its request, which frees its blocks on the engine thread.

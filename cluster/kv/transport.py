@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.kv import shm_slots
+from cluster.openmp import serial_torch
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +180,10 @@ def pack_blocks(kv_caches: KVCaches, block_ids: Sequence[int], out: torch.Tensor
     geometry = cache_geometry(kv_caches)
     idx = _block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # [n]
     packed = out if out is not None else torch.empty(geometry.packed_shape(len(idx)), dtype=geometry.dtype, device=geometry.device)
-    for layer, (k, v) in enumerate(kv_caches):  # k, v: [num_blocks, bs, Hk, D]
-        torch.index_select(k, 0, idx, out=packed[layer, 0])  # packed[layer, 0]: [n, bs, Hk, D]
-        torch.index_select(v, 0, idx, out=packed[layer, 1])
+    with serial_torch():  # a transfer's thread, not the engine's: no OpenMP team of its own
+        for layer, (k, v) in enumerate(kv_caches):  # k, v: [num_blocks, bs, Hk, D]
+            torch.index_select(k, 0, idx, out=packed[layer, 0])  # packed[layer, 0]: [n, bs, Hk, D]
+            torch.index_select(v, 0, idx, out=packed[layer, 1])
     return packed
 
 
@@ -195,9 +197,10 @@ def unpack_blocks(kv_caches: KVCaches, block_ids: Sequence[int], packed: torch.T
             f"packed {tuple(packed.shape)} {packed.dtype} on {packed.device} does not fit {len(idx)} blocks "
             f"of this cache: expected {expected} {geometry.dtype} on {geometry.device}"
         )
-    for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, idx, packed[layer, 0])
-        v.index_copy_(0, idx, packed[layer, 1])
+    with serial_torch():
+        for layer, (k, v) in enumerate(kv_caches):
+            k.index_copy_(0, idx, packed[layer, 0])
+            v.index_copy_(0, idx, packed[layer, 1])
 
 
 # ---- wire header --------------------------------------------------------------------
