@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import ray.util
@@ -45,20 +46,27 @@ RANK_ACTOR_CONCURRENCY = 16
 @ray.remote(max_concurrency=RANK_ACTOR_CONCURRENCY)
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int, address: tuple[str, int]):
+        # One thread loads the model and runs the steps: the process's only OpenMP master
+        # (cluster/openmp.py); the actor's other threads serve transfers and stats.
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-rank")
+        self.rank = rank
+        self.config = config
+        self.transport = None
+        self._compute.submit(self._load, address).result()
+
+    def _load(self, address: tuple[str, int]) -> None:
+        config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
             keep_freed_memory()
-        self.rank = rank
-        self.config = config
-        size = config.tensor_parallel_size
         self.group = TensorParallelGroup.join(
-            address, rank, size, config.device, config.tp_timeout_s, shared_memory=config.tp_shared_memory
+            address, self.rank, config.tensor_parallel_size, config.device, config.tp_timeout_s,
+            shared_memory=config.tp_shared_memory,
         )
         loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, self.group)
         self.shard = loaded.model.shard
         self.runner = ModelRunner(loaded, config.cache.num_blocks, config.cache.block_size, config.device)
-        self.transport = None
 
     # ---- KV transfers: this rank's pieces of a hand-off (cluster/kv/tp_transfer.py) ----
 
@@ -89,6 +97,9 @@ class RankWorker:
 
     def follow(self) -> None:
         """Run rank 0's steps until it stops; raises RankLostError if rank 0 is lost."""
+        self._compute.submit(self._follow).result()
+
+    def _follow(self) -> None:
         while self.runner.follow():
             pass
         self.group.close()
