@@ -55,6 +55,11 @@ def serial_torch() -> Iterator[None]:
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set, stands
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as libgomp counts them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def waiting_env(compute_threads: int, cpus: int, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The OpenMP environment for worker processes whose torch threads, all replicas' on one
     machine, number `compute_threads` on its `cpus` cores: passive waiting past the cores

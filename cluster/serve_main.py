@@ -22,7 +22,7 @@ from cluster.model.builtin import model_or_builtin
 from cluster.model.families import parse_arch
 from cluster.model.loader import open_checkpoint
 from cluster.model.sharding import check_divisible
-from cluster.openmp import waiting_env
+from cluster.openmp import usable_cpus, waiting_env
 from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
 from router.auth import load_api_keys
@@ -87,7 +87,7 @@ def compute_threads(config: ClusterConfig) -> int:
 def on_this_machine(config: ClusterConfig) -> ClusterConfig:
     """`config` for a cluster whose replicas all run on this machine: its workers wait
     passively at OpenMP barriers if their threads outnumber its cores (cluster/openmp.py)."""
-    env = waiting_env(compute_threads(config), os.cpu_count() or 1)
+    env = waiting_env(compute_threads(config), usable_cpus())
     if not env:
         return config
     prefill, decode = (dataclasses.replace(t, env={**env, **(t.env or {})}) for t in (config.prefill, config.decode))

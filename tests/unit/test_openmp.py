@@ -9,7 +9,7 @@ import torch
 
 from cluster.app import tier_options
 from cluster.config import ClusterConfig, EngineConfig, TierConfig
-from cluster.openmp import WAIT_SETTINGS, _libgomp, serial_torch, waiting_env
+from cluster.openmp import WAIT_SETTINGS, _libgomp, serial_torch, usable_cpus, waiting_env
 from cluster.serve_main import compute_threads, on_this_machine
 
 needs_libgomp = pytest.mark.skipif(_libgomp() is None, reason="torch runs on another OpenMP runtime than libgomp")
@@ -75,7 +75,7 @@ def test_workers_wait_passively_only_when_their_threads_outnumber_the_cores():
 def test_a_local_cluster_that_oversubscribes_the_cores_gives_its_workers_passive_waiting(monkeypatch):
     for name in WAIT_SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     engine = EngineConfig(model="unused")
     fits = ClusterConfig(engine=engine, decode=TierConfig(torch_threads=cpus), colocated=True)
     assert compute_threads(fits) == cpus and on_this_machine(fits) == fits
