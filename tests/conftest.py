@@ -53,3 +53,24 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models):
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory):
+    """The tiny checkpoint's tokenizer on a model wide enough that prefilling a few hundred
+    tokens takes seconds, not milliseconds, and a stream of a few hundred tokens outlasts a
+    redeploy: long enough to see a replica busy (from outside, through stats calls or
+    Serve) and kill or remove it there."""
+    return make_model(
+        "qwen2",
+        "tiny",
+        tmp_path_factory.mktemp("wide"),
+        overrides={
+            "hidden_size": 512,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": True,
+        },
+    )

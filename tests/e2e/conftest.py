@@ -27,7 +27,6 @@ from cluster.config import (
 )
 from cluster.redis_server import PrivateRedis, free_port
 from cluster.serve_main import start_local_ray
-from cluster.testing.random_checkpoint import make_model
 
 API_KEY = "sk-test-0123456789"
 MODEL_NAME = "tiny-qwen2"
@@ -82,25 +81,9 @@ def engine_config(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def wide_model_config(engine_config, tmp_path_factory):
-    """The tiny checkpoint's tokenizer on a model wide enough that prefilling a few hundred
-    tokens takes seconds, not milliseconds, and a stream of a few hundred tokens outlasts a
-    redeploy: long enough to see a replica busy (from outside, through stats calls or
-    Serve) and kill or remove it there."""
-    model = make_model(
-        "qwen2",
-        "tiny",
-        tmp_path_factory.mktemp("wide"),
-        overrides={
-            "hidden_size": 512,
-            "intermediate_size": 2048,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 8,
-            "tie_word_embeddings": True,
-        },
-    )
-    return dataclasses.replace(engine_config, model=str(model))
+def wide_model_config(engine_config, wide_model):
+    """engine_config on the wide model (tests/conftest.py: wide_model)."""
+    return dataclasses.replace(engine_config, model=str(wide_model))
 
 
 @pytest.fixture(scope="module")
