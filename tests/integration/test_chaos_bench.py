@@ -13,7 +13,9 @@ PDSERVE = [sys.executable, "-m", "cluster.cli"]
 def run_chaos(model, out_dir, *extra) -> tuple[subprocess.CompletedProcess, dict]:
     proc = subprocess.run(
         [
-            *PDSERVE, "bench", "chaos", "--target", "1p2d", "--local-model", str(model), "--kv-cache-gib", "0.02",
+            # a cache that holds the load's streams at once: at 0.02 GiB the surviving decode
+            # replica ran them one or two at a time, and the run took twice as long
+            *PDSERVE, "bench", "chaos", "--target", "1p2d", "--local-model", str(model), "--kv-cache-gib", "0.1",
             # Arrivals spread over seconds (4/s) and 400-token streams of the wide model (seconds
             # each; the tiny one's could all end between the stats call that picks the victim
             # and the kill): at the kill (1.5 s) every request sent so far is still streaming.
