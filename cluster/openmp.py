@@ -55,6 +55,11 @@ def serial_torch() -> Iterator[None]:
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set, stands
 
 
+def wait_settings() -> dict[str, str]:
+    """How this process's OpenMP threads wait: the settings its environment gives."""
+    return {name: os.environ[name] for name in WAIT_SETTINGS if name in os.environ}
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask, as libgomp counts them)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,10 +1,28 @@
 """Small helpers the integration and e2e tests share."""
 
 import re
+import subprocess
+import sys
 import time
 
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.prefix_index import IndexPublisher
+
+PDSERVE = [sys.executable, "-m", "cluster.cli"]  # `pdserve`, as an operator runs it
+
+
+def run_all(commands: list[list[str]], timeout_s: float = 300, **popen) -> list[subprocess.CompletedProcess]:
+    """Run the commands at once and wait for every one: a CLI call that fails early costs
+    mostly its start-up (importing torch and Ray, seconds), which the cores then share."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen) for c in commands]
+    try:
+        outputs = [p.communicate(timeout=timeout_s) for p in procs]  # then each has its returncode
+        return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:  # timed out, or another one did: none outlives the call
+                p.kill()
+                p.wait()
 
 
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.2) -> bool:

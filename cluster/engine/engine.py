@@ -37,6 +37,7 @@ from cluster.model.families import parse_arch
 from cluster.model.loader import load_model, open_checkpoint, resolve_dtype, resolve_max_model_len
 from cluster.model.sharding import shard_of
 from cluster.model.tp_group import SINGLE
+from cluster.openmp import wait_settings
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -396,6 +397,7 @@ class Engine:
             "rank": 0,
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
+            "openmp_wait": wait_settings(),
             "kv_heads": list(self.loaded.model.shard.kv_heads),
             "collectives": self.loaded.model.group.transport,
         }

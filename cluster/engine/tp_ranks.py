@@ -38,6 +38,7 @@ from cluster.kv.tp_transfer import rank_peer_id, recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransport
 from cluster.model.loader import load_model
 from cluster.model.tp_group import TensorParallelGroup
+from cluster.openmp import wait_settings
 
 # A rank runs its step loop and, in other threads, its KV transfers and stats calls.
 RANK_ACTOR_CONCURRENCY = 16
@@ -112,6 +113,7 @@ class RankWorker:
             "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(),
             "torch_threads": torch.get_num_threads(),
+            "openmp_wait": wait_settings(),
             "kv_heads": list(self.shard.kv_heads),
             "collectives": self.group.transport,
         }

@@ -5,9 +5,8 @@ pass when migration hides the kill, a fail when migration is switched off."""
 
 import json
 import subprocess
-import sys
 
-PDSERVE = [sys.executable, "-m", "cluster.cli"]
+from tests.helpers import PDSERVE
 
 
 def run_chaos(model, out_dir, *extra) -> tuple[subprocess.CompletedProcess, dict]:

@@ -2,12 +2,10 @@
 
 import json
 import subprocess
-import sys
 
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
-
-PDSERVE = [sys.executable, "-m", "cluster.cli"]
+from tests.helpers import PDSERVE, run_all
 
 
 def run(*args):
@@ -37,8 +35,7 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):
         ("generate", "--model", str(tiny_llama), "--prompt", "x", "--max-tokens", "-3"),
         ("generate", "--model", str(tiny_llama), "--prompt", "x", "--max-tokens", "100000"),
     ]
-    for args in cases:
-        r = run(*args)
+    for args, r in zip(cases, run_all([[*PDSERVE, *args] for args in cases])):
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr
         assert "error:" in r.stderr

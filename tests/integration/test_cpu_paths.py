@@ -15,8 +15,8 @@ from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model.builtin import builtin_model_path
 from kernels import cpu as cpu_kernels
+from tests.helpers import PDSERVE
 
-PDSERVE = [sys.executable, "-m", "cluster.cli"]
 # Not a coin toss in bf16: the model's first token after "What is the capital of France?"
 # leads its runner-up by 0.12-0.25 nats, within bf16's rounding of the logits, so any
 # change in summation order may open the answer with "L'Étoile" instead; here the lead is

@@ -9,7 +9,6 @@ metadata equal the tokenizer.json they came from. Bad files fail with one line.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from cluster.model.loader import open_checkpoint
 from cluster.testing.gguf_export import export_gguf
 from cluster.testing.random_checkpoint import make_model, training_corpus
 from cluster.tokenizer import Tokenizer
+from tests.helpers import PDSERVE, run_all
 
-PDSERVE = [sys.executable, "-m", "cluster.cli"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "Water boils at 100"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # K-quants need rows that are multiples of 256 values.
@@ -194,9 +193,10 @@ def bad_files(tmp_path, families):
 
 
 def test_bad_gguf_files_fail_with_one_line(tmp_path, families):
-    for what, (path, message) in bad_files(tmp_path, families).items():
-        r = subprocess.run([*PDSERVE, "generate", "--model", str(path), "--prompt", "hi"], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "TQDM_DISABLE": "1"})
+    cases = bad_files(tmp_path, families)
+    runs = run_all([[*PDSERVE, "generate", "--model", str(path), "--prompt", "hi"] for path, _ in cases.values()],
+                   timeout_s=120, env={**os.environ, "TQDM_DISABLE": "1"})
+    for (what, (path, message)), r in zip(cases.items(), runs):
         assert r.returncode == 2, (what, r.stderr)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "Traceback" not in r.stderr, (what, r.stderr)

@@ -6,7 +6,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,9 +13,9 @@ import openai
 import pytest
 
 from cluster.ingress import resolve
+from cluster.openmp import usable_cpus, waiting_env
 from cluster.redis_server import free_port
-
-PDSERVE = [sys.executable, "-m", "cluster.cli"]
+from tests.helpers import PDSERVE
 
 
 def read_until(proc, pattern, timeout_s):
@@ -53,20 +52,22 @@ def stream_text(client, out: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("stop_signal", "ingress"),
-    [(signal.SIGINT, "auto"), (signal.SIGTERM, "proxy")],
+    ("stop_signal", "ingress", "torch_threads"),
+    [(signal.SIGINT, "auto", 1), (signal.SIGTERM, "proxy", 2)],
     ids=["SIGINT-default-ingress", "SIGTERM-proxy-ingress"],
 )
-def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress):
+def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress, torch_threads):
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
     0; a stream running at that moment drains: it ends with its finish reason. Through
-    either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies."""
+    either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies.
+    Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers."""
     http_port, grpc_port = free_port(), free_port()
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
     proc = subprocess.Popen(
         [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
-         "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file), "--ingress", ingress],
+         "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file), "--ingress", ingress,
+         "--torch-threads", str(torch_threads)],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -93,6 +94,10 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress)
         assert len(stats["prefill"]) == 1 and len(stats["decode"]) == 1
         (decode,) = stats["decode"].values()
         assert decode["used_blocks"] == 0 and decode["num_blocks"] > 0
+        # One prefill and one decode replica: through Ray's runtime_env into each worker process.
+        wait = waiting_env(2 * torch_threads, usable_cpus())
+        ranks = [rank for tier in ("prefill", "decode") for worker in stats[tier].values() for rank in worker["ranks"]]
+        assert [(r["torch_threads"], r["openmp_wait"]) for r in ranks] == [(torch_threads, wait)] * 2
         running: dict = {}
         streaming = threading.Thread(target=stream_text, args=(client, running))
         streaming.start()

@@ -9,7 +9,7 @@ import torch
 
 from cluster.app import tier_options
 from cluster.config import ClusterConfig, EngineConfig, TierConfig
-from cluster.openmp import WAIT_SETTINGS, _libgomp, serial_torch, usable_cpus, waiting_env
+from cluster.openmp import WAIT_SETTINGS, _libgomp, serial_torch, usable_cpus, wait_settings, waiting_env
 from cluster.serve_main import compute_threads, on_this_machine
 
 needs_libgomp = pytest.mark.skipif(_libgomp() is None, reason="torch runs on another OpenMP runtime than libgomp")
@@ -70,6 +70,15 @@ def test_workers_wait_passively_only_when_their_threads_outnumber_the_cores():
     assert waiting_env(compute_threads=4, cpus=2, environ={}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     for users_choice in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}):
         assert waiting_env(compute_threads=4, cpus=2, environ=users_choice) == {}
+
+
+def test_a_process_reports_the_wait_settings_of_its_environment(monkeypatch):
+    for name in WAIT_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert wait_settings() == {}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # not a wait setting
+    assert wait_settings() == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_a_local_cluster_that_oversubscribes_the_cores_gives_its_workers_passive_waiting(monkeypatch):
