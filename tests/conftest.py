@@ -55,6 +55,15 @@ def tiny_llama(tiny_models):
     return tiny_models["llama"]
 
 
+@pytest.fixture
+def two_torch_threads():
+    """torch (and the C kernels, which take torch's count) on two threads, whatever the suite set."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def wide_model(tmp_path_factory):
     """The tiny checkpoint's tokenizer on a model wide enough that prefilling a few hundred

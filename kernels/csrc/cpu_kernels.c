@@ -139,6 +139,31 @@ static inline vecf load_vec(const void *p, int dtype) {
     return f;
 }
 
+/* acc + a b, rounded once (a fused multiply-add) on every ISA that has one. Left to itself
+   GCC contracts `acc += a * b` in some inlined variants of a loop and not in others (the AVX2
+   build's linear of 1 row and 1 output block used a multiply and an add, its other row counts
+   FMAs): a row's result then depended on how many rows shared its call. */
+static inline __attribute__((always_inline)) vecf fmadd(vecf acc, vecf a, vecf b) {
+#if VLEN == 16
+    return (vecf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif VLEN == 8 && defined(__FMA__)
+    return (vecf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+/* x in every lane (`(vecf){0} + x` costs an add: GCC may not drop a + 0.f, -0.f + 0.f being +0.f). */
+static inline __attribute__((always_inline)) vecf splat(float x) {
+#if VLEN == 16
+    return (vecf)_mm512_set1_ps(x);
+#elif VLEN == 8
+    return (vecf)_mm256_set1_ps(x);
+#else
+    return (vecf)_mm_set1_ps(x);
+#endif
+}
+
 /* The sum of v's lanes by folding halves (log2(VLEN) adds deep; a lane-by-lane loop is a
    serial chain of VLEN - 1 dependent adds, which GCC also emits for `omp simd` reductions). */
 typedef float vec4f __attribute__((vector_size(16)));
@@ -321,7 +346,7 @@ static inline __attribute__((always_inline)) void packed_block(const float *x, i
         vecf wv[PACK_NO];
         for (int j = 0; j < NO; j++) wv[j] = load_vec(at(wp, (j * K + k) * VLEN, wdtype), wdtype);
         for (int m = 0; m < M; m++)
-            for (int j = 0; j < NO; j++) acc[m][j] += x[m * K + k] * wv[j];
+            for (int j = 0; j < NO; j++) acc[m][j] = fmadd(acc[m][j], splat(x[m * K + k]), wv[j]);
     }
     for (int m = 0; m < M; m++)
         for (int j = 0; j < NO; j++) memcpy(y + m * y_stride + j * VLEN, &acc[m][j], sizeof(vecf));
@@ -666,7 +691,7 @@ static inline __attribute__((always_inline)) void head_scores(float *s, int64_t 
     vecf dot[ATTEND_HEADS] = {{0}};
     for (int64_t d = 0; d < DV; d += VLEN) {
         const vecf kv = load_vec(at(k, d, dtype), dtype);
-        for (int i = 0; i < heads; i++) dot[i] += load_vec(q + i * D + d, F32) * kv;
+        for (int i = 0; i < heads; i++) dot[i] = fmadd(dot[i], load_vec(q + i * D + d, F32), kv);
     }
     for (int i = 0; i < heads; i++) {
         float sum = hsum(dot[i]);
@@ -712,7 +737,7 @@ static inline __attribute__((always_inline)) void head_values_at(float *acc, con
         for (int c = 0; c < VECS; c++) vv[c] = load_vec(at(v, j * row + d0 + c * VLEN, dtype), dtype);
         for (int i = 0; i < heads; i++) {
             const float wj = w[i * w_stride + j];
-            for (int c = 0; c < VECS; c++) a[i][c] += wj * vv[c];
+            for (int c = 0; c < VECS; c++) a[i][c] = fmadd(a[i][c], splat(wj), vv[c]);
         }
     }
     for (int i = 0; i < heads; i++)
@@ -859,7 +884,7 @@ static inline __attribute__((always_inline)) void group_scores(float *s, int64_t
     for (int i = 0; i < QN; i++) a[i] = (vecf){0};
     for (int64_t d = 0; d < D; d++) {
         const vecf kv = load_vec(kt + d * VLEN, F32);
-        for (int i = 0; i < QN; i++) a[i] += q[i * D + d] * kv;
+        for (int i = 0; i < QN; i++) a[i] = fmadd(a[i], splat(q[i * D + d]), kv);
     }
     for (int i = 0; i < QN; i++) memcpy(s + i * s_stride, &a[i], sizeof(vecf));
 }

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.cpu_features import compiler_isa_flags, cpu_flags, features_from_flags
+from cluster.cpu_features import compiler_isa_flags, cpu_flags, detect, features_from_flags
 from kernels import cpu
 from kernels.kv_store import store_kv_reference
 from kernels.rms_norm import rms_norm_reference
@@ -22,9 +22,11 @@ from tests.unit.test_kernels import _caches, _cos_sin_cache, _naive_decode_atten
 
 DTYPES = [torch.float32, torch.bfloat16]
 AVX2_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx512"})))  # as on an AVX2-only EPYC
-# The builds every test runs on: for this CPU, capped at AVX2, and on an AMX CPU also without
-# AMX (as on an AMD EPYC with AVX-512-BF16), so each code path of the C file runs here.
-ISA_BUILDS = {"native": [], "AVX2": AVX2_FLAGS}
+# The builds every test runs on: for this CPU (as this process may use it: PDSERVE_CPU_DISABLE
+# caps it, so that a suite run with avx512 off tests what an AVX2-only CPU runs), capped at
+# AVX2, and on an AMX CPU also without AMX (as on an AMD EPYC with AVX-512-BF16), so each code
+# path of the C file runs here.
+ISA_BUILDS = {"native": compiler_isa_flags(detect()), "AVX2": AVX2_FLAGS}
 if features_from_flags(cpu_flags(), frozenset()).amx:
     ISA_BUILDS["no AMX"] = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"amx"})))
 
@@ -40,7 +42,7 @@ def isa(request):
     cpu.configure(ISA_BUILDS[request.param])
     assert cpu.available(), "the C kernels did not build"
     yield request.param
-    cpu.configure([])
+    cpu.configure(ISA_BUILDS["native"])
 
 
 def _disassembly(path) -> str:
@@ -56,10 +58,10 @@ def test_the_build_follows_the_isa_cap(isa):
         assert "-mno-avx512f" in cpu.compile_flags()
     elif " avx512f " in open("/proc/cpuinfo").read() and "-mno-avx512f" not in cpu.compile_flags():
         assert "zmm" in code  # an AVX-512 CPU gets AVX-512 code
-    has_amx = features_from_flags(cpu_flags(), frozenset()).amx and isa == "native"
+    has_amx = detect().amx and isa == "native"
     assert ("tdpbf16ps" in code) == has_amx  # AMX tiles exactly where the CPU has them and they are not forced off
     assert cpu.amx_tiles() == has_amx
-    has_bf16_products = features_from_flags(cpu_flags(), frozenset()).avx512_bf16 and isa != "AVX2"
+    has_bf16_products = detect().avx512_bf16 and isa != "AVX2"
     assert ("vdpbf16ps" in code) == has_bf16_products == cpu.bf16_products()
 
 
@@ -79,6 +81,20 @@ def test_linear_matches_f_linear(dtype, rows, in_features, out_features, bias):
     torch.testing.assert_close(out.double(), exact, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+# outputs: one block of the widest ISA's; one block past whole passes of 3 (AVX2's fp32); several passes
+@pytest.mark.parametrize("in_features, out_features", [(64, 8), (64, 128), (96, 136)])
+def test_a_linear_row_does_not_depend_on_the_rows_beside_it(dtype, in_features, out_features):
+    """Bit for bit, whatever the batch: a decode step padded to a bucket, or a request in a
+    bigger batch, gets the same row (the AVX2 build's 1-row, 1-block variant once rounded
+    its sums apart from the others' fused multiply-adds)."""
+    x = torch.randn(16, in_features).to(dtype)
+    packed = cpu.pack_linear_weight(torch.randn(out_features, in_features).to(dtype))
+    together = cpu.linear(x, packed, None)
+    for rows in range(1, 16):
+        assert torch.equal(cpu.linear(x[:rows], packed, None), together[:rows]), rows
+
+
 def test_linear_takes_a_strided_input():
     x = torch.randn(2, 128)[:, ::2]  # [2, 64], rows 128 apart, not contiguous
     w = torch.randn(32, 64)
@@ -94,7 +110,7 @@ def test_a_weight_packed_by_another_build_is_told_apart(isa):
     layer.pack_for_cpu()
     x = torch.randn(3, 64).to(torch.bfloat16)
     expected = F.linear(x.double(), layer.weight.double())
-    other = [] if isa == "AVX2" else AVX2_FLAGS
+    other = [] if ISA_BUILDS[isa] == AVX2_FLAGS else AVX2_FLAGS
     cpu.configure(other)
     try:
         # The AVX2 build packs as the native one only on a CPU without AVX-512.
@@ -184,6 +200,19 @@ def test_paged_attention_matches_naive(dtype, num_q_heads, num_kv_heads, head_di
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 2, 16), (4, 4, 80)])
+def test_a_decode_row_attends_alike_alone_and_in_a_batch(dtype, num_q_heads, num_kv_heads, head_dim, two_torch_threads):
+    """Bit for bit: with fewer rows than threads each KV head is a work item of its own, with
+    more a row is one item; the same sums either way."""
+    q, k_cache, v_cache, tables, lens = _paged_setup([7, 33, 18, 50, 1], num_q_heads, num_kv_heads, head_dim, 16, dtype,
+                                                     "nan_blocks")
+    together = cpu.paged_attention_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    for b in range(len(lens)):
+        alone = cpu.paged_attention_decode(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], head_dim**-0.5)
+        assert torch.equal(alone, together[b : b + 1]), b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (4, 1)])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads, num_kv_heads, block_size):
@@ -224,9 +253,13 @@ def test_a_missing_compiler_falls_back_to_the_reference(monkeypatch, tmp_path, c
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(cpu, "CACHE_DIR", tmp_path / "cache")  # nothing cached to load
     cpu.reload()
-    assert not cpu.available()
-    assert "CPU kernels unavailable" in caplog.text
-    x, w = torch.randn(3, 64), torch.randn(64)
-    import kernels  # noqa: PLC0415 - the public op, now on its reference path
+    try:
+        assert not cpu.available()
+        assert "CPU kernels unavailable" in caplog.text
+        x, w = torch.randn(3, 64), torch.randn(64)
+        import kernels  # noqa: PLC0415 - the public op, now on its reference path
 
-    assert torch.equal(kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+        assert torch.equal(kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+    finally:  # the compiler back, and the library with it: the next test's build may be this one
+        monkeypatch.undo()
+        cpu.reload()

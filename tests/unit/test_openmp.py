@@ -41,14 +41,6 @@ def _threads_made_by_a_thread_that_copies(serial: bool) -> int:
     return counted[0]
 
 
-@pytest.fixture
-def two_torch_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @needs_libgomp
 def test_serial_torch_makes_no_team_and_restores_the_thread_count(two_torch_threads):
     assert _threads_made_by_a_thread_that_copies(serial=False) > 1  # a team of its own
