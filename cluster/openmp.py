@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 
@@ -55,9 +55,10 @@ def serial_torch() -> Iterator[None]:
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice, if set, stands
 
 
-def wait_settings() -> dict[str, str]:
-    """How this process's OpenMP threads wait: the settings its environment gives."""
-    return {name: os.environ[name] for name in WAIT_SETTINGS if name in os.environ}
+def wait_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """How OpenMP threads wait under `environ` (default: this process's environment)."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in WAIT_SETTINGS if name in environ}
 
 
 def usable_cpus() -> int:
@@ -65,11 +66,10 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def waiting_env(compute_threads: int, cpus: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+def waiting_env(compute_threads: int, cpus: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The OpenMP environment for worker processes whose torch threads, all replicas' on one
     machine, number `compute_threads` on its `cpus` cores: passive waiting past the cores
     (nothing while they suffice, or when `environ`, default os.environ, sets it already)."""
-    environ = os.environ if environ is None else environ
-    if compute_threads <= cpus or any(name in environ for name in WAIT_SETTINGS):
+    if compute_threads <= cpus or wait_settings(environ):
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
