@@ -20,7 +20,7 @@ from cluster.errors import InvalidRequestError
 from cluster.model.builtin import model_or_builtin
 from cluster.model.families import UnsupportedModelError
 from cluster.model.loader import ModelLoadError
-from cluster.serve_main import run_serve, run_status
+from cluster.serve_main import ServeStartError, run_serve, run_status
 from cluster.serve_options import add_serve_flags as add_config_flags
 from cluster.testing.random_checkpoint import ARCHS, SIZES, make_model
 
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         detect()  # a bad PDSERVE_CPU_DISABLE is a one-line error too
         return args.fn(args)
-    except (CpuCapabilityError, InvalidRequestError, ModelLoadError, UnsupportedModelError, FileNotFoundError, ValueError) as e:
+    except (CpuCapabilityError, InvalidRequestError, ModelLoadError, UnsupportedModelError, ServeStartError, FileNotFoundError,
+            ValueError) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

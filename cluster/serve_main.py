@@ -18,10 +18,11 @@ from ray import serve
 from cluster import ingress
 from cluster.app import build_app, grpc_options
 from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
+from cluster.engine.runner import check_kv_cache_fits, kv_bytes_per_block, num_kv_blocks
 from cluster.model.builtin import model_or_builtin
 from cluster.model.families import parse_arch
-from cluster.model.loader import open_checkpoint
-from cluster.model.sharding import check_divisible
+from cluster.model.loader import open_checkpoint, resolve_dtype
+from cluster.model.sharding import check_divisible, shard_of
 from cluster.openmp import usable_cpus, waiting_env
 from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
@@ -44,21 +45,37 @@ def config_from_args(args) -> ClusterConfig:
         gateway["api_key_file"] = str(Path(gateway["api_key_file"]).resolve())
     gateway["api_keys"] = load_api_keys(args.api_key)  # and $PDSERVE_API_KEY
     config = from_dict(ClusterConfig, data)
-    check_tensor_parallel(config)
+    check_model(config, on_a_remote_cluster=bool(args.address or os.environ.get("RAY_ADDRESS")))
     return config
 
 
-def check_tensor_parallel(config: ClusterConfig) -> None:
-    """A TP size the model cannot be split over fails here, in one line, rather than as
-    replicas that never start. (Only when the model is on this machine: with --address it
-    may exist only on the cluster's nodes, whose replicas then say the same.)"""
-    tiers = [config.decode] if config.colocated else [config.prefill, config.decode]
-    sizes = {t.tensor_parallel_size for t in tiers} - {1}
-    if not sizes or not Path(config.engine.model).exists():
+def check_model(config: ClusterConfig, on_a_remote_cluster: bool) -> None:
+    """A model the replicas could not load fails here, in one line, before Ray starts,
+    rather than as replicas that fail and restart until Serve gives up: it must exist,
+    be of a supported family, have a tokenizer and split over each tier's TP size. (On a
+    remote cluster the model may exist only on its nodes: if it is not here, its
+    replicas say the same.)"""
+    if on_a_remote_cluster and not Path(config.engine.model).exists():
         return
-    arch = parse_arch(open_checkpoint(config.engine.model).config())
-    for size in sorted(sizes):
+    checkpoint = open_checkpoint(config.engine.model)
+    arch = parse_arch(checkpoint.config())
+    checkpoint.tokenizer()
+    tiers = [config.decode] if config.colocated else [config.prefill, config.decode]
+    for size in sorted({t.tensor_parallel_size for t in tiers} - {1}):
         check_divisible(arch, size)
+    if not on_a_remote_cluster and config.engine.device == "cpu":  # every replica's cache is on this host
+        dtype = resolve_dtype(config.engine.dtype, arch.torch_dtype, "cpu")
+        cache = config.engine.cache
+        total = 0
+        for t in tiers:
+            shard = shard_of(arch, 0, t.tensor_parallel_size)
+            rank_bytes = num_kv_blocks(cache, arch, shard, dtype) * kv_bytes_per_block(arch, shard, cache.block_size, dtype)
+            total += most_replicas(t) * t.tensor_parallel_size * rank_bytes
+        check_kv_cache_fits(total, "cpu", what="the KV caches of all replicas")
+
+
+class ServeStartError(RuntimeError):
+    """The application did not start (its replicas' own errors are in Ray's log)."""
 
 
 def port_free(host: str, port: int) -> bool:
@@ -80,8 +97,11 @@ def cpus_requested(config) -> float:
 def compute_threads(config: ClusterConfig) -> int:
     """Torch threads of all the cluster's worker ranks, at its most replicas."""
     tiers = [config.decode] if config.colocated else [config.prefill, config.decode]
-    return sum(t.torch_threads * t.tensor_parallel_size * (t.autoscaling or {}).get("max_replicas", t.num_replicas)
-               for t in tiers)
+    return sum(t.torch_threads * t.tensor_parallel_size * most_replicas(t) for t in tiers)
+
+
+def most_replicas(tier) -> int:
+    return (tier.autoscaling or {}).get("max_replicas", tier.num_replicas)
 
 
 def on_this_machine(config: ClusterConfig) -> ClusterConfig:
@@ -134,7 +154,10 @@ def run_serve(args) -> int:
         # abort the process after ours ran; replacing it keeps SIGTERM a clean, drained stop.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         serve.start(http_options={"host": args.host, "port": config.http_port}, grpc_options=grpc_options(config.grpc_port))
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # Serve gave up on a deployment whose replicas kept failing
+            raise ServeStartError(f"{e} (the replicas' errors are in the log above)") from None
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
         print(f"pdserve is up: {tiers} replicas serving {config.engine.model_id} ({config.engine.model}).", file=sys.stderr)
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)

@@ -26,6 +26,9 @@ from cluster.routing import replica_unique_id, worker_id
 
 class EngineWorker:
     tier: str  # "prefill" or "decode": set by each tier's class
+    # Until the constructor completes. A replica whose constructor failed has nothing to
+    # stop: Serve ends its process, and the actors it owns (TP ranks) with it.
+    _closed = True
 
     def __init__(self, engine_config: EngineConfig, transport: TransportConfig | None, redis_url: str | None):
         """`transport`: this worker moves KV blocks (None: colocated, it does not).
@@ -162,6 +165,8 @@ class EngineWorker:
         self.engine.shutdown()
 
     async def __del__(self):  # Serve awaits this when the replica stops
+        if self._closed:
+            return
         if self.index is not None:
             await self.index.close()  # out of the index at once
         self.shutdown()

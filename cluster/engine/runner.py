@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from cluster.config import CacheConfig
@@ -39,6 +40,20 @@ def num_kv_blocks(cache: CacheConfig, arch: ModelArch, shard: Shard, dtype: torc
     if cache.num_blocks is not None:
         return cache.num_blocks
     return max(1, int(cache.memory_gib * 2**30) // kv_bytes_per_block(arch, shard, cache.block_size, dtype))
+
+
+def check_kv_cache_fits(nbytes: int, device: str, what: str = "the KV cache") -> None:
+    """KV caches larger than the memory free for them fail before a model loads, in one
+    line, rather than as allocations that swap the host or get processes killed (Ray's
+    memory monitor kills workers, its Serve controller among them, near a full node).
+    `nbytes`: all that will be allocated on this host (CPU) or on `device` (CUDA)."""
+    if device == "cpu":
+        free, where = psutil.virtual_memory().available, "this host"
+    else:
+        free, where = torch.cuda.mem_get_info(torch.device(device))[0], device
+    if nbytes > free:
+        raise ValueError(f"{what} would take {nbytes / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on "
+                         f"{where}: give it less (--kv-cache-gib)")
 
 
 HEARTBEAT = "heartbeat"  # a step plan that runs no model: rank 0 is idle

@@ -1,7 +1,10 @@
 """The `pdserve` command line, run as a user would (subprocess, real checkpoint)."""
 
 import json
+import shutil
 import subprocess
+
+import psutil
 
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
@@ -39,3 +42,25 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr
         assert "error:" in r.stderr
+
+
+def test_serve_refuses_what_its_replicas_could_not_load_before_starting_anything(tmp_path, tiny_llama):
+    """One line and exit 2, before the private redis-server or Ray start (they print first)."""
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_llama, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*"))
+    free_gib = psutil.virtual_memory().available / 2**30
+    over = ("--kv-cache-gib", f"{2 * free_gib:.0f}")
+    all_caches = "the KV caches of all replicas would take"
+    cases = [
+        ("does not exist", ("serve", "--model", str(tmp_path / "missing"))),
+        ("tokenizer.json", ("serve", "--model", str(no_tokenizer))),
+        (all_caches, ("serve", "--model", str(tiny_llama), *over)),
+        # each replica's cache would fit alone; the two decode and one prefill replicas' would not
+        (all_caches, ("serve", "--model", str(tiny_llama), "--decode-replicas", "2", "--kv-cache-gib", f"{0.4 * free_gib:.1f}")),
+        ("the KV cache would take", ("generate", "--model", str(tiny_llama), "--prompt", "x", *over)),
+    ]
+    for (cause, args), r in zip(cases, run_all([[*PDSERVE, *args] for _, args in cases])):
+        assert r.returncode == 2, (args, r.stderr)
+        assert cause in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr and "redis-server" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith(f"pdserve {args[0]}: error: ")
