@@ -157,7 +157,7 @@ def run_serve(args) -> int:
         try:
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         except RuntimeError as e:  # Serve gave up on a deployment whose replicas kept failing
-            raise ServeStartError(f"{e} (the replicas' errors are in the log above)") from None
+            raise ServeStartError(f"{str(e).rstrip('.')} (the replicas' errors are in the log above)") from None
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
         print(f"pdserve is up: {tiers} replicas serving {config.engine.model_id} ({config.engine.model}).", file=sys.stderr)
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
