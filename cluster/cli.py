@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         detect()  # a bad PDSERVE_CPU_DISABLE is a one-line error too
         return args.fn(args)
     except (CpuCapabilityError, InvalidRequestError, ModelLoadError, UnsupportedModelError, ServeStartError, FileNotFoundError,
-            ValueError) as e:
+            ValueError, ConnectionError) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -150,8 +150,10 @@ class TierConfig:
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 0 or self.torch_threads < 1 or self.max_ongoing_requests < 1:
-            raise ValueError("num_replicas must be >= 0, torch_threads and max_ongoing_requests >= 1")
+        if self.num_replicas < 1 and not self.autoscaling:  # Serve takes 0 replicas only as an autoscaling minimum
+            raise ValueError(f"num_replicas must be >= 1 (or autoscaling set), got {self.num_replicas}")
+        if self.torch_threads < 1 or self.max_ongoing_requests < 1:
+            raise ValueError("torch_threads and max_ongoing_requests must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -246,6 +248,9 @@ class ClusterConfig:
             raise ValueError("set tensor_parallel_size per tier (prefill, decode), not on the engine")
         if self.ingress not in INGRESS_MODES:
             raise ValueError(f"ingress must be one of {INGRESS_MODES}, got {self.ingress!r}")
+        for name in ("http_port", "grpc_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be a TCP port (1-65535), got {getattr(self, name)}")
 
     def engine_for(self, tier: TierConfig) -> EngineConfig:
         """The engine config of one tier's replicas: its threads and its TP layout."""

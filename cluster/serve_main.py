@@ -14,6 +14,7 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from cluster import ingress
 from cluster.app import build_app, grpc_options
@@ -193,7 +194,10 @@ def _drain() -> None:
 
 def run_status(args) -> int:
     ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", include_dashboard=False, log_to_driver=False)
-    router = serve.get_app_handle(APP_NAME)
+    try:
+        router = serve.get_app_handle(APP_NAME)
+    except RayServeException as e:  # Ray is up, but no Serve or no pdserve application on it
+        raise ConnectionError(f"no pdserve application on this Ray cluster ({e})") from None
     stats = router.worker_stats.remote().result()
     print(json.dumps(stats, indent=2))
     return 0

@@ -288,10 +288,19 @@ def throughput_over_time(ok: list[RequestResult], t0: float) -> list[float]:
 
 
 def resolve_model(args) -> str:
+    """--model, else the first model the server lists. ConnectionError (a one-line CLI error)
+    if the server cannot be asked: down, wrong URL, or an API key it refuses."""
     if args.model:
         return args.model
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    url = args.base_url.rstrip("/") + "/v1/models"
+    try:
+        response = httpx.get(url, headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ConnectionError(f"cannot list the models at {url} ({type(e).__name__}: {e}); is the server up? "
+                              "(or pass --model)") from None
 
 
 def run_once(args) -> dict:

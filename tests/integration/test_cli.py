@@ -37,11 +37,16 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):
         ("generate", "--model", str(tiny_llama), "--prompt", ""),
         ("generate", "--model", str(tiny_llama), "--prompt", "x", "--max-tokens", "-3"),
         ("generate", "--model", str(tiny_llama), "--prompt", "x", "--max-tokens", "100000"),
+        ("serve", "--model", str(tiny_llama), "--http-port", "99999"),
+        ("serve", "--model", str(tiny_llama), "--decode-replicas", "0"),
+        # nothing listens on port 1: the bench cannot ask the server for its model
+        ("bench", "serve", "--base-url", "http://127.0.0.1:1", "--tokenizer", str(tiny_llama), "--num-prompts", "1"),
     ]
     for args, r in zip(cases, run_all([[*PDSERVE, *args] for args in cases])):
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr
         assert "error:" in r.stderr
+        assert "redis-server" not in r.stderr, r.stderr  # `serve` refused before it started anything
 
 
 def test_serve_refuses_what_its_replicas_could_not_load_before_starting_anything(tmp_path, tiny_llama):
