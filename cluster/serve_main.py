@@ -137,7 +137,7 @@ def run_serve(args) -> int:
         redis = PrivateRedis()
         config = dataclasses.replace(config, redis_url=redis.url)
         print(f"started a private redis-server at {redis.url}", file=sys.stderr)
-    stop = threading.Event()
+    stop, up = threading.Event(), False
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # Ctrl-C raises KeyboardInterrupt even when started in the background from a script
     # (which would otherwise inherit SIGINT as ignored and never stop on it).
@@ -164,11 +164,11 @@ def run_serve(args) -> int:
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
         print(f"  ingress: {ingress_mode}; auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.",
               file=sys.stderr)
-        try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
+        up = True
+        while not stop.wait(1.0):
             pass
+    except KeyboardInterrupt:  # Ctrl-C, while serving or still starting: the same clean stop
+        pass
     finally:
         print("stopping: requests in flight finish first (--drain-timeout-s) ...", file=sys.stderr)
         try:
@@ -179,7 +179,7 @@ def run_serve(args) -> int:
         finally:
             if redis is not None:
                 redis.stop()
-    return 0
+    return 0 if up else 130  # 130: interrupted before it was up, as a shell reports Ctrl-C
 
 
 def _drain() -> None:

@@ -115,6 +115,28 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
             pytest.fail(f"pdserve serve did not stop on {stop_signal.name}")
 
 
+def test_ctrl_c_while_starting_stops_everything_without_a_traceback(tiny_llama):
+    """Interrupted while Serve deploys the app: the same clean stop (the private redis-server
+    and the HTTP port are freed), exit 130 as a shell reports Ctrl-C."""
+    http_port = free_port()
+    proc = subprocess.Popen(
+        [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
+         "--grpc-port", str(free_port())],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )
+    try:
+        lines = read_until(proc, r"Deploying new version of Deployment", timeout_s=120)
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stderr = "".join(lines) + rest
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "pdserve is up" not in stderr
+    redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)", stderr).group(1))
+    assert not port_open(redis_port) and not port_open(http_port)
+
+
 def test_serve_refuses_an_empty_api_key_file(tmp_path):
     empty = tmp_path / "keys"
     empty.write_text("# no keys yet\n")
