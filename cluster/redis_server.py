@@ -4,23 +4,12 @@ death signal, so a SIGKILLed `pdserve serve` leaves no server behind)."""
 
 from __future__ import annotations
 
-import ctypes
 import shutil
-import signal
 import socket
 import subprocess
 import time
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the thread that started it exits. (So an
-    owner must start it from a thread that lives as long as it does, e.g. the main one.)"""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: stop() remains the only way out
-        pass
+from cluster.lifetime import die_with_parent
 
 
 def free_port() -> int:
@@ -39,7 +28,7 @@ class PrivateRedis:
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self._wait_ready()
 

@@ -20,6 +20,7 @@ from cluster import ingress
 from cluster.app import build_app, grpc_options
 from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, kv_bytes_per_block, num_kv_blocks
+from cluster.lifetime import start_reaper
 from cluster.model.builtin import model_or_builtin
 from cluster.model.families import parse_arch
 from cluster.model.loader import open_checkpoint, resolve_dtype
@@ -149,6 +150,7 @@ def run_serve(args) -> int:
             ray.init(address=address, include_dashboard=False)
             ingress_mode = "the cluster's own (deploy/cluster.yaml)"
         else:
+            start_reaper()  # so that even a kill -9 of this process leaves none of the local Ray behind
             config = on_this_machine(config)
             ingress_mode = start_local_ray(max(os.cpu_count() or 1, math.ceil(cpus_requested(config))), config.ingress)
         # After ray.init: Ray's core installs a fatal-signal handler for SIGTERM that would

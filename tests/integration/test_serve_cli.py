@@ -10,9 +10,11 @@ import threading
 import time
 
 import openai
+import psutil
 import pytest
 
 from cluster.ingress import resolve
+from cluster.lifetime import POLL_S
 from cluster.openmp import usable_cpus, waiting_env
 from cluster.redis_server import free_port
 from tests.helpers import PDSERVE
@@ -135,6 +137,28 @@ def test_ctrl_c_while_starting_stops_everything_without_a_traceback(tiny_llama):
     assert "Traceback" not in stderr and "pdserve is up" not in stderr
     redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)", stderr).group(1))
     assert not port_open(redis_port) and not port_open(http_port)
+
+
+def test_a_killed_serve_leaves_no_process_behind(tiny_llama):
+    """kill -9 of `pdserve serve`: every process it had started goes (Ray's, Serve's HAProxy
+    holding the ports, the private redis-server, the reaper itself; cluster/lifetime.py)."""
+    http_port, grpc_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
+         "--grpc-port", str(grpc_port)],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )
+    try:
+        read_until(proc, r"Ctrl-C stops it", timeout_s=240)
+        time.sleep(2 * POLL_S)  # the reaper has noted every process of the running cluster
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert any("haproxy" in p.name() for p in started)  # the default ingress: the one that stayed before
+    finally:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert not port_open(http_port) and not port_open(grpc_port)
 
 
 def test_serve_refuses_an_empty_api_key_file(tmp_path):
