@@ -78,6 +78,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 
+def _positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (argparse type: a bad one is a usage error)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 separated by commas, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -119,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     be.add_argument("--input-len", type=int, default=256)
     be.add_argument("--output-len", type=int, default=64)
-    be.add_argument("--batch-sizes", default="1,16")
+    be.add_argument("--batch-sizes", type=_positive_ints, default="1,16")
     be.add_argument("--threads", type=int, default=None, help="torch threads (per tensor-parallel rank)")
     be.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over")
     be.add_argument("--rounds", type=int, default=3, help="alternating rounds per system; medians reported")

@@ -164,7 +164,7 @@ def median_of(rounds: list[dict]) -> dict:
 
 
 def run_engine_bench(args) -> int:
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = args.batch_sizes
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"measuring read bandwidth ({torch.get_num_threads()} threads) ...")

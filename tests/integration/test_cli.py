@@ -41,6 +41,7 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):
         ("serve", "--model", str(tiny_llama), "--decode-replicas", "0"),
         # nothing listens on port 1: the bench cannot ask the server for its model
         ("bench", "serve", "--base-url", "http://127.0.0.1:1", "--tokenizer", str(tiny_llama), "--num-prompts", "1"),
+        ("bench", "engine", "--model", str(tiny_llama), "--batch-sizes", "0"),
     ]
     for args, r in zip(cases, run_all([[*PDSERVE, *args] for args in cases])):
         assert r.returncode == 2, (args, r.stderr)
