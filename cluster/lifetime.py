@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 
 import psutil
 
@@ -56,11 +56,20 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
+def _owner_signalled(timeout_s: float) -> bool:
+    """Waits up to `timeout_s` for the parent-death signal (blocked, so taken here: no
+    handler runs at an arbitrary point, and a second signal cannot cut the reaping short)."""
+    if not hasattr(signal, "sigtimedwait"):  # not Linux: the owner is polled only
+        time.sleep(timeout_s)
+        return False
+    return signal.sigtimedwait([signal.SIGTERM], timeout_s) is not None
+
+
 def reap_after(owner_pid: int) -> None:
     """Note `owner_pid`'s descendants until it is gone; then stop those still running."""
-    owner_gone = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: owner_gone.set())  # the parent-death signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the owner, which stops cleanly
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     owner, me = psutil.Process(owner_pid), os.getpid()
     started: dict[int, psutil.Process] = {}
     while _running(owner):
@@ -70,7 +79,7 @@ def reap_after(owner_pid: int) -> None:
                     started.setdefault(child.pid, child)
         except psutil.Error:  # the owner went while we looked
             break
-        if owner_gone.wait(POLL_S):
+        if _owner_signalled(POLL_S):
             break
     leftovers = [p for p in started.values() if _running(p)]
     for process in leftovers:

@@ -106,11 +106,14 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         deadline = time.monotonic() + 60
         while running.get("chunks", 0) < 3 and time.monotonic() < deadline and streaming.is_alive():
             time.sleep(0.01)
+        started = psutil.Process(proc.pid).children(recursive=True)  # Ray's, HAProxy, redis-server, the reaper
         proc.send_signal(stop_signal)
         streaming.join(timeout=120)
         assert "error" not in running and running.get("finish") == "length", running  # drained, not cut
         assert proc.wait(timeout=120) == 0
         assert not port_open(redis_port)  # the private redis-server went with it
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]  # and everything else it had started
     finally:
         if proc.poll() is None:
             proc.kill()
