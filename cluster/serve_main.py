@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import sys
-import threading
+import time
 from pathlib import Path
 
 import ray
@@ -31,6 +31,7 @@ from cluster.serve_options import config_data
 from router.auth import load_api_keys
 
 APP_NAME = "pdserve"
+STOP_POLL_S = 0.2  # how soon a SIGTERM's stop begins
 
 
 def config_from_args(args) -> ClusterConfig:
@@ -138,8 +139,15 @@ def run_serve(args) -> int:
         redis = PrivateRedis()
         config = dataclasses.replace(config, redis_url=redis.url)
         print(f"started a private redis-server at {redis.url}", file=sys.stderr)
-    stop, up = threading.Event(), False
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGTERM asks for the same stop as Ctrl-C. Its handler only appends: a handler that takes
+    # a lock (threading.Event.set does) deadlocks if it interrupts its own thread holding it.
+    stop_signals: list[int] = []
+
+    def request_stop(signum, _frame) -> None:
+        stop_signals.append(signum)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    up = False
     # Ctrl-C raises KeyboardInterrupt even when started in the background from a script
     # (which would otherwise inherit SIGINT as ignored and never stop on it).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -155,7 +163,7 @@ def run_serve(args) -> int:
             ingress_mode = start_local_ray(max(os.cpu_count() or 1, math.ceil(cpus_requested(config))), config.ingress)
         # After ray.init: Ray's core installs a fatal-signal handler for SIGTERM that would
         # abort the process after ours ran; replacing it keeps SIGTERM a clean, drained stop.
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, request_stop)
         serve.start(http_options={"host": args.host, "port": config.http_port}, grpc_options=grpc_options(config.grpc_port))
         try:
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -167,8 +175,8 @@ def run_serve(args) -> int:
         print(f"  ingress: {ingress_mode}; auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.",
               file=sys.stderr)
         up = True
-        while not stop.wait(1.0):
-            pass
+        while not stop_signals:
+            time.sleep(STOP_POLL_S)
     except KeyboardInterrupt:  # Ctrl-C, while serving or still starting: the same clean stop
         pass
     finally:
