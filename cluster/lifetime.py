@@ -76,7 +76,7 @@ def reap_after(owner_pid: int) -> None:
         try:
             for child in owner.children(recursive=True):
                 if child.pid != me:
-                    started.setdefault(child.pid, child)
+                    started[child.pid] = child  # the latest holder of a pid: an earlier one has ended
         except psutil.Error:  # the owner went while we looked
             break
         if _owner_signalled(POLL_S):
