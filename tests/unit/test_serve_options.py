@@ -2,6 +2,7 @@
 own validation (cluster/serve_options.py)."""
 
 import os
+import socket
 
 import pytest
 
@@ -44,6 +45,19 @@ def test_ingress_flag_and_its_ray_settings():
     # A local Ray's HAProxy listens for metrics and stats on ports of its own, not the fixed defaults.
     assert len({direct["RAY_SERVE_HAPROXY_METRICS_PORT"], direct["RAY_SERVE_HAPROXY_STATS_PORT"], "9101", "8404"}) == 4
     assert "RAY_SERVE_HAPROXY_METRICS_PORT" not in ingress.environment("direct", local=False)
+
+
+def test_haproxy_ports_are_free_and_never_ones_the_os_hands_out():
+    """Ray's processes take their ports from the OS's bind(0) range after these are chosen."""
+    low, high = ingress.ephemeral_ports()
+    for _ in range(20):
+        env = ingress.environment("direct", local=True)
+        metrics, stats = int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]), int(env["RAY_SERVE_HAPROXY_STATS_PORT"])
+        assert metrics != stats
+        for port in (metrics, stats):
+            assert port in ingress.HAPROXY_PORTS and not low <= port <= high
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))  # free on every interface, as HAProxy binds it
 
 
 def test_ingress_settings_last_only_while_a_local_ray_starts(monkeypatch):
