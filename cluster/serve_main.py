@@ -19,7 +19,7 @@ from ray.serve.exceptions import RayServeException
 from cluster import ingress
 from cluster.app import build_app, grpc_options
 from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
-from cluster.engine.runner import check_kv_cache_fits, kv_bytes_per_block, num_kv_blocks
+from cluster.engine.runner import check_kv_cache_fits, rank_kv_cache_bytes
 from cluster.lifetime import start_reaper
 from cluster.model.builtin import model_or_builtin
 from cluster.model.families import parse_arch
@@ -68,12 +68,9 @@ def check_model(config: ClusterConfig, on_a_remote_cluster: bool) -> None:
         check_divisible(arch, size)
     if not on_a_remote_cluster and config.engine.device == "cpu":  # every replica's cache is on this host
         dtype = resolve_dtype(config.engine.dtype, arch.torch_dtype, "cpu")
-        cache = config.engine.cache
-        total = 0
-        for t in tiers:
-            shard = shard_of(arch, 0, t.tensor_parallel_size)
-            rank_bytes = num_kv_blocks(cache, arch, shard, dtype) * kv_bytes_per_block(arch, shard, cache.block_size, dtype)
-            total += most_replicas(t) * t.tensor_parallel_size * rank_bytes
+        total = sum(most_replicas(t) * t.tensor_parallel_size
+                    * rank_kv_cache_bytes(config.engine.cache, arch, shard_of(arch, 0, t.tensor_parallel_size), dtype)
+                    for t in tiers)
         check_kv_cache_fits(total, "cpu", what="the KV caches of all replicas")
 
 

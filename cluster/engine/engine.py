@@ -23,7 +23,7 @@ from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
-from cluster.engine.runner import ModelRunner, check_kv_cache_fits, kv_bytes_per_block, num_kv_blocks
+from cluster.engine.runner import ModelRunner, check_kv_cache_fits, num_kv_blocks, rank_kv_cache_bytes
 from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
@@ -106,7 +106,7 @@ class Engine:
         num_blocks = num_kv_blocks(config.cache, arch, shard, dtype)
         block_size = config.cache.block_size
         ranks_here = config.tensor_parallel_size if config.device == "cpu" else 1  # on CUDA, a device each
-        check_kv_cache_fits(ranks_here * num_blocks * kv_bytes_per_block(arch, shard, block_size, dtype), config.device)
+        check_kv_cache_fits(ranks_here * rank_kv_cache_bytes(config.cache, arch, shard, dtype), config.device)
         max_model_len = resolve_max_model_len(config.max_model_len, arch)
         if num_blocks * block_size < max_model_len:
             raise ValueError(

@@ -42,6 +42,11 @@ def num_kv_blocks(cache: CacheConfig, arch: ModelArch, shard: Shard, dtype: torc
     return max(1, int(cache.memory_gib * 2**30) // kv_bytes_per_block(arch, shard, cache.block_size, dtype))
 
 
+def rank_kv_cache_bytes(cache: CacheConfig, arch: ModelArch, shard: Shard, dtype: torch.dtype) -> int:
+    """What one rank's KV cache allocates."""
+    return num_kv_blocks(cache, arch, shard, dtype) * kv_bytes_per_block(arch, shard, cache.block_size, dtype)
+
+
 def check_kv_cache_fits(nbytes: int, device: str, what: str = "the KV cache") -> None:
     """KV caches larger than the memory free for them fail before a model loads, in one
     line, rather than as allocations that swap the host or get processes killed (Ray's
