@@ -16,7 +16,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from cluster import ingress
+from cluster import engine_cores, ingress
 from cluster.app import build_app, grpc_options
 from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, rank_kv_cache_bytes
@@ -106,12 +106,25 @@ def most_replicas(tier) -> int:
 
 def on_this_machine(config: ClusterConfig) -> ClusterConfig:
     """`config` for a cluster whose replicas all run on this machine: its workers wait
-    passively at OpenMP barriers if their threads outnumber its cores (cluster/openmp.py)."""
+    passively at OpenMP barriers if their threads outnumber its cores (cluster/openmp.py),
+    and its decode engines get cores of their own if they leave one to spare, its prefill
+    engines yielding to everything else (cluster/engine_cores.py)."""
     env = waiting_env(compute_threads(config), usable_cpus())
-    if not env:
+    cores = engine_cores_of(config)
+    envs = {"prefill": {**env, **(cores.prefill_env if cores else {})}, "decode": {**env, **(cores.decode_env if cores else {})}}
+    if not any(envs.values()):
         return config
-    prefill, decode = (dataclasses.replace(t, env={**env, **(t.env or {})}) for t in (config.prefill, config.decode))
+    prefill, decode = (dataclasses.replace(t, env={**envs[name], **(t.env or {})})
+                       for name, t in (("prefill", config.prefill), ("decode", config.decode)))
     return dataclasses.replace(config, prefill=prefill, decode=decode)
+
+
+def engine_cores_of(config: ClusterConfig) -> engine_cores.CorePlan | None:
+    """The decode engines' own cores on this host for `config`, if they get some."""
+    if config.engine_cores != "auto" or config.engine.device != "cpu":
+        return None
+    t = config.decode
+    return engine_cores.plan(t.torch_threads * t.tensor_parallel_size * most_replicas(t))
 
 
 def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True) -> str:

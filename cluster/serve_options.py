@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from cluster.config import DTYPES, FAILURE_POLICIES, INGRESS_MODES, PLACEMENT_STRATEGIES, ROUTING_POLICIES, ClusterConfig
+from cluster.config import DTYPES, ENGINE_CORES, FAILURE_POLICIES, INGRESS_MODES, PLACEMENT_STRATEGIES, ROUTING_POLICIES, ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ SERVE_FLAGS = (
     Flag("--ingress", ("ingress",), "how clients reach the gateways on a local Ray: direct (HAProxy in front of the "
          "gateway replicas' own HTTP and gRPC servers), proxy (Serve's proxy actors), auto (direct where Serve ships "
          "HAProxy)", INGRESS_MODES),
+    Flag("--engine-cores", ("engine_cores",), "a local CPU cluster: auto gives the decode engines cores of their own, the "
+         "rest to everything else, when their threads leave a core to spare; shared runs every process on every core",
+         ENGINE_CORES),
     Flag("--redis-url", ("redis_url",), "prefix index and rate limits (default: a private redis-server on a free port)"),
     Flag("--routing", ("routing.policy",), "how the gateway places requests on workers (kv_aware: the Redis prefix index)",
          ROUTING_POLICIES),

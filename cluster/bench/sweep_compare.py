@@ -11,7 +11,9 @@ compare  runs the same workload against two targets, alternately for --rounds ro
              [N]colocated[:ROUTING]   N replicas (default 1), each one engine doing both phases
              <P>p<D>d[:ROUTING]       P prefill and D decode replicas, e.g. 1p1d, 2p1d:round_robin
          and either with @T: T torch threads per replica instead of --torch-threads, so
-         that configurations with the same total threads compare (colocated@2 vs 1p1d@1).
+         that configurations with the same total threads compare (colocated@2 vs 1p1d@1),
+         and with /shared: every process on every core (--engine-cores shared), e.g.
+         1p1d@1/shared vs 1p1d@1.
 """
 
 from __future__ import annotations
@@ -76,17 +78,19 @@ def run_sweep(args) -> int:
 
 # ---- compare -----------------------------------------------------------------------------
 
-LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?$")
+LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?(/shared)?$")
 
 
 @dataclass(frozen=True)
 class LocalTarget:
-    """A local configuration: replicas per tier (prefill 0: colocated), routing, threads."""
+    """A local configuration: replicas per tier (prefill 0: colocated), routing, threads,
+    and whether the decode engines get cores of their own where they can (cluster/engine_cores.py)."""
 
     prefill: int
     decode: int
     routing: str | None
     threads: int | None
+    engine_cores: str = "auto"
 
     @property
     def colocated(self) -> bool:
@@ -98,11 +102,11 @@ def local_target(spec: str) -> LocalTarget | None:
     m = LOCAL.match(spec)
     if not m:
         return None
-    colocated, prefill, decode, routing, threads = m.groups()
+    colocated, prefill, decode, routing, threads, shared = m.groups()
     prefill, decode = (0, int(colocated or 1)) if prefill is None else (int(prefill), int(decode))
     if decode < 1 or (prefill < 1 and colocated is None):
         return None
-    return LocalTarget(prefill, decode, routing, int(threads) if threads else None)
+    return LocalTarget(prefill, decode, routing, int(threads) if threads else None, "shared" if shared else "auto")
 
 
 def parse_target(spec: str):
@@ -110,8 +114,9 @@ def parse_target(spec: str):
     if spec.startswith(("http://", "https://")):
         return spec
     if local_target(spec) is None:
-        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads]' or '<P>p<D>d[:routing][@threads]' "
-                         "(e.g. 1p1d, 2p1d:round_robin, colocated@2, 2colocated@1)")
+        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads][/shared]' or "
+                         "'<P>p<D>d[:routing][@threads][/shared]' (e.g. 1p1d, 2p1d:round_robin, colocated@2, 2colocated@1, "
+                         "1p1d@1/shared)")
     return spec
 
 
@@ -150,6 +155,7 @@ def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
         decode=decode,
         router=TierConfig(num_cpus=0.1),
         colocated=target.colocated,
+        engine_cores=target.engine_cores,
         redis_url=args._redis.url,
         routing=dataclasses.replace(routing or RoutingConfig(), policy=target.routing or "kv_aware"),
     )

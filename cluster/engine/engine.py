@@ -30,6 +30,7 @@ from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
 from cluster.engine.step_times import StepTimes
 from cluster.engine.tp_ranks import TensorParallelRanks, resolved
+from cluster.engine_cores import place_engine_thread
 from cluster.errors import InvalidRequestError
 from cluster.host_memory import keep_freed_memory
 from cluster.kv.block_pool import BlockPool
@@ -93,6 +94,8 @@ class _OutputState:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        # On the engine thread, before its first parallel op: its OpenMP team inherits the cores.
+        self.placement = place_engine_thread(config.num_threads or torch.get_num_threads()) if config.device == "cpu" else None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -400,6 +403,8 @@ class Engine:
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
             "openmp_wait": wait_settings(),
+            "cores": self.placement.cores if self.placement else None,
+            "yields": self.placement.yields if self.placement else False,
             "kv_heads": list(self.loaded.model.shard.kv_heads),
             "collectives": self.loaded.model.group.transport,
         }
@@ -410,6 +415,8 @@ class Engine:
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.close(self.runner.stop_followers)
+        if self.placement is not None:
+            self.placement.release()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RAY_SYSTEM_CONFIG, EngineConfig, TransportConfig
 from cluster.engine.runner import ModelRunner
+from cluster.engine_cores import place_engine_thread
 from cluster.errors import RankLostError
 from cluster.host_memory import keep_freed_memory
 from cluster.kv.tp_transfer import rank_peer_id, recv_pieces, send_pieces
@@ -57,6 +58,7 @@ class RankWorker:
 
     def _load(self, address: tuple[str, int]) -> None:
         config = self.config
+        self.placement = place_engine_thread(config.num_threads or torch.get_num_threads()) if config.device == "cpu" else None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -106,6 +108,8 @@ class RankWorker:
         self.group.close()
         if self.transport is not None:
             self.transport.close()
+        if self.placement is not None:
+            self.placement.release()
 
     def info(self) -> dict:
         return {
@@ -114,6 +118,8 @@ class RankWorker:
             "node": ray.util.get_node_ip_address(),
             "torch_threads": torch.get_num_threads(),
             "openmp_wait": wait_settings(),
+            "cores": self.placement.cores if self.placement else None,
+            "yields": self.placement.yields if self.placement else False,
             "kv_heads": list(self.shard.kv_heads),
             "collectives": self.group.transport,
         }

@@ -2,6 +2,7 @@
 tiers up; `pdserve status` reports them; Ctrl-C stops everything."""
 
 import json
+import os
 import re
 import signal
 import socket
@@ -13,6 +14,7 @@ import openai
 import psutil
 import pytest
 
+from cluster import engine_cores
 from cluster.ingress import resolve
 from cluster.lifetime import POLL_S
 from cluster.openmp import usable_cpus, waiting_env
@@ -62,7 +64,9 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
     0; a stream running at that moment drains: it ends with its finish reason. Through
     either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies.
-    Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers."""
+    Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers; a
+    decode engine whose threads leave a core to spare gets cores of its own, and the prefill
+    engine yields."""
     http_port, grpc_port = free_port(), free_port()
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
@@ -100,6 +104,14 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         wait = waiting_env(2 * torch_threads, usable_cpus())
         ranks = [rank for tier in ("prefill", "decode") for worker in stats[tier].values() for rank in worker["ranks"]]
         assert [(r["torch_threads"], r["openmp_wait"]) for r in ranks] == [(torch_threads, wait)] * 2
+        # Where its threads leave a core to spare, the decode engine's thread has its own, and
+        # the prefill engine's yields to everything else (cluster/engine_cores.py).
+        cores = engine_cores.plan(torch_threads)
+        assert [(r["cores"], r["yields"]) for r in ranks] == [(None, bool(cores)), (list(cores.decode) if cores else None, False)]
+        prefill, decode = (psutil.Process(r["pid"]) for r in ranks)
+        assert decode.cpu_affinity() == list(engine_cores.HOST_CORES)  # the main thread: anywhere
+        assert any(cores and os.sched_getaffinity(t.id) == set(cores.decode) for t in decode.threads()) == bool(cores)
+        assert any(os.sched_getscheduler(t.id) == os.SCHED_IDLE for t in prefill.threads()) == bool(cores)
         running: dict = {}
         streaming = threading.Thread(target=stream_text, args=(client, running))
         streaming.start()

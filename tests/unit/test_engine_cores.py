@@ -1,0 +1,126 @@
+"""Decode engines' own cores, yielding prefill engines (cluster/engine_cores.py): the
+plan, the claims (real lock files, a real process killed while it holds one) and engine
+threads placing themselves, on whatever cores this machine has."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from cluster.config import ClusterConfig, EngineConfig, TierConfig
+from cluster.engine_cores import CORES_ENV, HOST_CORES, YIELDS_ENV, CorePlan, claim_cores, place_engine_thread, plan
+from cluster.serve_main import engine_cores_of, on_this_machine
+
+several_cores = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores")
+
+
+def test_the_decode_engines_take_the_last_cores_only_if_one_is_left_for_the_rest():
+    assert plan(1, [0, 1]) == CorePlan(decode=(1,))
+    assert plan(2, [5, 3, 4, 2]) == CorePlan(decode=(4, 5))
+    assert plan(2, [0, 1]) is None  # nothing left for the gateway, Ray, the prefill engines
+    assert plan(3, [0, 1]) is None
+    assert plan(0, [0, 1]) is None
+    assert plan(1, [0, 1]).decode_env == {CORES_ENV: "1"}
+    assert plan(1, [0, 1]).prefill_env == {YIELDS_ENV: "1"}
+
+
+def test_a_claimed_core_is_nobody_elses_until_released(tmp_path):
+    first = claim_cores(1, [3, 4], str(tmp_path))
+    assert first.cores == (3,)
+    second = claim_cores(1, [3, 4], str(tmp_path))
+    assert second.cores == (4,)
+    assert claim_cores(1, [3, 4], str(tmp_path)) is None  # both held
+    assert claim_cores(2, [3, 4, 5], str(tmp_path)) is None  # one free is not two: and the one is left free
+    assert claim_cores(1, [5], str(tmp_path)).cores == (5,)
+    first.release()
+    assert claim_cores(1, [3, 4], str(tmp_path)).cores == (3,)
+
+
+def test_the_core_of_a_killed_engine_process_is_free_again(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from cluster.engine_cores import claim_cores; "
+         f"c = claim_cores(1, [7], {str(tmp_path)!r}); print(c.cores, flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "(7,)"
+        assert claim_cores(1, [7], str(tmp_path)) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert claim_cores(1, [7], str(tmp_path)).cores == (7,)  # the kernel dropped the dead process's lock
+
+
+def _in_thread(fn):
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn()))
+    thread.start()
+    thread.join()
+    return out["result"]
+
+
+@several_cores
+def test_a_decode_engine_thread_binds_itself_and_the_threads_it_starts(tmp_path):
+    engine_core = HOST_CORES[-1]
+
+    def engine_thread():
+        placement = place_engine_thread(1, {CORES_ENV: str(engine_core)}, str(tmp_path))
+        mine = os.sched_getaffinity(0)
+        team = _in_thread(lambda: os.sched_getaffinity(0))  # as its OpenMP team would be
+        second = place_engine_thread(1, {CORES_ENV: str(engine_core)}, str(tmp_path))  # another engine finds it held
+        placement.release()
+        return placement, mine, team, second, os.sched_getscheduler(0)
+
+    placement, mine, team, second, policy = _in_thread(engine_thread)
+    assert placement.cores == [engine_core] and not placement.yields and policy == os.SCHED_OTHER
+    assert mine == team == {engine_core}
+    assert second.cores is None  # unbound: it runs on any core
+    assert os.sched_getaffinity(0) == set(HOST_CORES)  # other threads stay where they were
+
+
+def test_a_prefill_engine_thread_yields_and_so_do_the_threads_it_starts(tmp_path):
+    def engine_thread():
+        placement = place_engine_thread(1, {YIELDS_ENV: "1"}, str(tmp_path))
+        team = _in_thread(lambda: os.sched_getscheduler(0))
+        return placement, os.sched_getscheduler(0), team, os.sched_getaffinity(0)
+
+    placement, policy, team, cores = _in_thread(engine_thread)
+    assert placement.yields and placement.cores is None
+    assert policy == team == os.SCHED_IDLE
+    assert cores == set(HOST_CORES)  # on every core
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # only that thread
+
+
+def test_without_the_variables_an_engine_thread_stays_as_it_was(tmp_path):
+    placement, cores, policy = _in_thread(
+        lambda: (place_engine_thread(1, {}, str(tmp_path)), os.sched_getaffinity(0), os.sched_getscheduler(0)))
+    assert (placement.cores, placement.yields, cores, policy) == (None, False, set(HOST_CORES), os.SCHED_OTHER)
+
+
+def _config(threads: int, replicas: int = 1, engine_cores: str = "auto", colocated: bool = False) -> ClusterConfig:
+    tier = TierConfig(num_replicas=replicas, torch_threads=threads)
+    return ClusterConfig(engine=EngineConfig(model="unused"), prefill=tier, decode=tier, colocated=colocated,
+                         engine_cores=engine_cores)
+
+
+def test_the_serve_driver_plans_for_every_decode_thread_and_only_on_cpu():
+    n = len(HOST_CORES)
+    assert engine_cores_of(_config(1)) == plan(1)
+    assert engine_cores_of(_config(1, replicas=n)) is None  # every core a decode thread's: none to spare
+    assert engine_cores_of(_config(1, engine_cores="shared")) is None
+    gpu = _config(1)
+    gpu = ClusterConfig(engine=EngineConfig(model="unused", device="cuda"), decode=gpu.decode)
+    assert engine_cores_of(gpu) is None
+    with pytest.raises(ValueError, match="engine_cores must be one of"):
+        _config(1, engine_cores="mine")
+
+
+@several_cores
+def test_the_decode_tier_is_told_its_cores_and_the_prefill_tier_to_yield():
+    config = on_this_machine(_config(1))
+    assert config.decode.env[CORES_ENV] == str(HOST_CORES[-1]) and YIELDS_ENV not in config.decode.env
+    assert config.prefill.env[YIELDS_ENV] == "1" and CORES_ENV not in config.prefill.env
+    shared = on_this_machine(_config(1, engine_cores="shared"))
+    assert not {CORES_ENV, YIELDS_ENV} & {*(shared.decode.env or {}), *(shared.prefill.env or {})}
