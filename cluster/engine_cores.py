@@ -20,7 +20,8 @@ least one core of the host to spare (`plan`), a local cluster's driver tells
   SCHED_IDLE, on every core, so the control path always goes first, and a core that
   looks busy only with a prompt is where the scheduler puts what wakes up, not the decode
   engine's. Prompts take every cycle nothing else wants, the decode engine's core
-  included while it idles.
+  included while it idles, and only those: beside processes that keep the other cores
+  busy (a heavy load client on the same host) they wait, and `shared` suits better.
 
 Nothing is bound otherwise (as many decode threads as cores, `--engine-cores shared`, GPU):
 a yielding prefill engine beside decode engines that fill every core would starve.
