@@ -8,8 +8,9 @@ lost up to 11 ms to other processes (step wall time minus its thread's CPU time:
 ms, 3.2 ms without the long prompts), and 1536-token prompts raised the decodes' p99 ITL
 1.31x.
 
-So when the decode engines' threads (every replica's at most, every rank's) leave at
-least one core of the host to spare (`plan`), a local cluster's driver tells
+So with `--engine-cores own`, when the decode engines' threads (every replica's at most,
+every rank's) leave at least one core of the host to spare (`plan`), a local cluster's
+driver tells
 
 - the decode tier which cores are theirs ($PDSERVE_ENGINE_CORES): each engine thread
   claims as many as it has torch threads (`claim_cores`: an exclusive lock file per core,
@@ -21,7 +22,10 @@ least one core of the host to spare (`plan`), a local cluster's driver tells
   looks busy only with a prompt is where the scheduler puts what wakes up, not the decode
   engine's. Prompts take every cycle nothing else wants, the decode engine's core
   included while it idles, and only those: beside processes that keep the other cores
-  busy (a heavy load client on the same host) they wait, and `shared` suits better.
+  busy (a heavy load client on the same host) they wait. And the split is hard: a
+  prompt-heavy load gets less of the host (under skew to one hot prefix, 2 prefill + 1
+  decode replicas on 2 cores, kv_aware's p99 TTFT was 2.5x the shared figure), which is
+  why `shared` stays the default.
 
 Nothing is bound otherwise (as many decode threads as cores, `--engine-cores shared`, GPU):
 a yielding prefill engine beside decode engines that fill every core would starve.

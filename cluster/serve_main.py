@@ -121,7 +121,7 @@ def on_this_machine(config: ClusterConfig) -> ClusterConfig:
 
 def engine_cores_of(config: ClusterConfig) -> engine_cores.CorePlan | None:
     """The decode engines' own cores on this host for `config`, if they get some."""
-    if config.engine_cores != "auto" or config.engine.device != "cpu":
+    if config.engine_cores != "own" or config.engine.device != "cpu":
         return None
     t = config.decode
     return engine_cores.plan(t.torch_threads * t.tensor_parallel_size * most_replicas(t))

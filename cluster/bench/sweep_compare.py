@@ -12,8 +12,8 @@ compare  runs the same workload against two targets, alternately for --rounds ro
              <P>p<D>d[:ROUTING]       P prefill and D decode replicas, e.g. 1p1d, 2p1d:round_robin
          and either with @T: T torch threads per replica instead of --torch-threads, so
          that configurations with the same total threads compare (colocated@2 vs 1p1d@1),
-         and with /shared: every process on every core (--engine-cores shared), e.g.
-         1p1d@1/shared vs 1p1d@1.
+         and with /own: decode engines on cores of their own (--engine-cores own), e.g.
+         1p1d@1 vs 1p1d@1/own.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def run_sweep(args) -> int:
 
 # ---- compare -----------------------------------------------------------------------------
 
-LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?(/shared)?$")
+LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?(/own)?$")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class LocalTarget:
     decode: int
     routing: str | None
     threads: int | None
-    engine_cores: str = "auto"
+    engine_cores: str = "shared"
 
     @property
     def colocated(self) -> bool:
@@ -102,11 +102,11 @@ def local_target(spec: str) -> LocalTarget | None:
     m = LOCAL.match(spec)
     if not m:
         return None
-    colocated, prefill, decode, routing, threads, shared = m.groups()
+    colocated, prefill, decode, routing, threads, own = m.groups()
     prefill, decode = (0, int(colocated or 1)) if prefill is None else (int(prefill), int(decode))
     if decode < 1 or (prefill < 1 and colocated is None):
         return None
-    return LocalTarget(prefill, decode, routing, int(threads) if threads else None, "shared" if shared else "auto")
+    return LocalTarget(prefill, decode, routing, int(threads) if threads else None, "own" if own else "shared")
 
 
 def parse_target(spec: str):
@@ -114,9 +114,9 @@ def parse_target(spec: str):
     if spec.startswith(("http://", "https://")):
         return spec
     if local_target(spec) is None:
-        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads][/shared]' or "
-                         "'<P>p<D>d[:routing][@threads][/shared]' (e.g. 1p1d, 2p1d:round_robin, colocated@2, 2colocated@1, "
-                         "1p1d@1/shared)")
+        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads][/own]' or "
+                         "'<P>p<D>d[:routing][@threads][/own]' (e.g. 1p1d, 2p1d:round_robin, colocated@2, 2colocated@1, "
+                         "1p1d@1/own)")
     return spec
 
 

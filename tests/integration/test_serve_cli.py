@@ -64,16 +64,16 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
     0; a stream running at that moment drains: it ends with its finish reason. Through
     either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies.
-    Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers; a
-    decode engine whose threads leave a core to spare gets cores of its own, and the prefill
-    engine yields."""
+    Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers; with
+    `--engine-cores own`, a decode engine whose threads leave a core to spare gets cores of
+    its own, and the prefill engine yields."""
     http_port, grpc_port = free_port(), free_port()
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
     proc = subprocess.Popen(
         [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file), "--ingress", ingress,
-         "--torch-threads", str(torch_threads)],
+         "--torch-threads", str(torch_threads), "--engine-cores", "own"],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

@@ -93,15 +93,15 @@ def test_skewed_prefix_repetition_and_interference_prompts(tiny_llama):
     ("colocated:round_robin@2", LocalTarget(0, 1, "round_robin", 2)),
     ("1p2d", LocalTarget(1, 2, None, None)),
     ("2p1d:kv_aware@1", LocalTarget(2, 1, "kv_aware", 1)),
-    ("1p1d@1/shared", LocalTarget(1, 1, None, 1, engine_cores="shared")),
-    ("colocated/shared", LocalTarget(0, 1, None, None, engine_cores="shared")),
+    ("1p1d@1/own", LocalTarget(1, 1, None, 1, engine_cores="own")),
+    ("colocated/own", LocalTarget(0, 1, None, None, engine_cores="own")),
 ])
 def test_local_targets_name_replicas_routing_threads_and_cores(spec, want):
     assert local_target(spec) == want
     assert parse_target(spec) == spec
 
 
-@pytest.mark.parametrize("spec", ["0colocated", "0p1d", "1p0d", "colocated@", "2x1p1d", "p1d", "1p1d/own", "1p1d/shared@1"])
+@pytest.mark.parametrize("spec", ["0colocated", "0p1d", "1p0d", "colocated@", "2x1p1d", "p1d", "1p1d/mine", "1p1d/own@1"])
 def test_a_malformed_target_is_refused_with_the_grammar(spec):
     assert local_target(spec) is None
     with pytest.raises(ValueError, match="colocated"):

@@ -99,7 +99,7 @@ def test_without_the_variables_an_engine_thread_stays_as_it_was(tmp_path):
     assert (placement.cores, placement.yields, cores, policy) == (None, False, set(HOST_CORES), os.SCHED_OTHER)
 
 
-def _config(threads: int, replicas: int = 1, engine_cores: str = "auto", colocated: bool = False) -> ClusterConfig:
+def _config(threads: int, replicas: int = 1, engine_cores: str = "own", colocated: bool = False) -> ClusterConfig:
     tier = TierConfig(num_replicas=replicas, torch_threads=threads)
     return ClusterConfig(engine=EngineConfig(model="unused"), prefill=tier, decode=tier, colocated=colocated,
                          engine_cores=engine_cores)
