@@ -116,18 +116,25 @@ class EngineThreadPlacement:
     def cores(self) -> list[int] | None:
         return list(self.claim.cores) if self.claim else None
 
+    def info(self) -> dict:
+        """What a rank reports of it in `pdserve status`."""
+        return {"cores": self.cores, "yields": self.yields}
+
     def release(self) -> None:
         if self.claim is not None:
             self.claim.release()
 
 
-def place_engine_thread(threads: int, environ: Mapping[str, str] | None = None, lock_dir: str = LOCK_DIR) -> EngineThreadPlacement:
+def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str, str] | None = None,
+                        lock_dir: str = LOCK_DIR) -> EngineThreadPlacement:
     """On an engine thread, before its first parallel op (threads it starts inherit both):
     with $PDSERVE_ENGINE_CORES, claim `threads` of those cores and run on them (if too few
     are free, stay unbound); with $PDSERVE_ENGINE_YIELDS, run at SCHED_IDLE. Without
-    either, nothing changes."""
+    either, or off CPU, nothing changes."""
     environ = os.environ if environ is None else environ
     placement = EngineThreadPlacement()
+    if device != "cpu":
+        return placement
     if spec := environ.get(CORES_ENV, ""):
         placement.claim = claim_cores(threads, [int(c) for c in spec.split(",")], lock_dir)
         if placement.claim is None:

@@ -111,11 +111,12 @@ def on_this_machine(config: ClusterConfig) -> ClusterConfig:
     engines yielding to everything else (cluster/engine_cores.py)."""
     env = waiting_env(compute_threads(config), usable_cpus())
     cores = engine_cores_of(config)
-    envs = {"prefill": {**env, **(cores.prefill_env if cores else {})}, "decode": {**env, **(cores.decode_env if cores else {})}}
-    if not any(envs.values()):
+    prefill_env = {**env, **(cores.prefill_env if cores else {})}
+    decode_env = {**env, **(cores.decode_env if cores else {})}
+    if not prefill_env and not decode_env:
         return config
-    prefill, decode = (dataclasses.replace(t, env={**envs[name], **(t.env or {})})
-                       for name, t in (("prefill", config.prefill), ("decode", config.decode)))
+    prefill, decode = (dataclasses.replace(t, env={**extra, **(t.env or {})})
+                       for t, extra in ((config.prefill, prefill_env), (config.decode, decode_env)))
     return dataclasses.replace(config, prefill=prefill, decode=decode)
 
 

@@ -95,7 +95,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         # On the engine thread, before its first parallel op: its OpenMP team inherits the cores.
-        self.placement = place_engine_thread(config.num_threads or torch.get_num_threads()) if config.device == "cpu" else None
+        self.placement = place_engine_thread(config.num_threads or torch.get_num_threads(), config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -403,8 +403,7 @@ class Engine:
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
             "openmp_wait": wait_settings(),
-            "cores": self.placement.cores if self.placement else None,
-            "yields": self.placement.yields if self.placement else False,
+            **self.placement.info(),
             "kv_heads": list(self.loaded.model.shard.kv_heads),
             "collectives": self.loaded.model.group.transport,
         }
@@ -415,8 +414,7 @@ class Engine:
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.close(self.runner.stop_followers)
-        if self.placement is not None:
-            self.placement.release()
+        self.placement.release()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

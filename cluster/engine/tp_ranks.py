@@ -58,7 +58,7 @@ class RankWorker:
 
     def _load(self, address: tuple[str, int]) -> None:
         config = self.config
-        self.placement = place_engine_thread(config.num_threads or torch.get_num_threads()) if config.device == "cpu" else None
+        self.placement = place_engine_thread(config.num_threads or torch.get_num_threads(), config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -108,8 +108,7 @@ class RankWorker:
         self.group.close()
         if self.transport is not None:
             self.transport.close()
-        if self.placement is not None:
-            self.placement.release()
+        self.placement.release()
 
     def info(self) -> dict:
         return {
@@ -118,8 +117,7 @@ class RankWorker:
             "node": ray.util.get_node_ip_address(),
             "torch_threads": torch.get_num_threads(),
             "openmp_wait": wait_settings(),
-            "cores": self.placement.cores if self.placement else None,
-            "yields": self.placement.yields if self.placement else False,
+            **self.placement.info(),
             "kv_heads": list(self.shard.kv_heads),
             "collectives": self.group.transport,
         }

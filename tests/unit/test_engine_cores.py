@@ -66,10 +66,10 @@ def test_a_decode_engine_thread_binds_itself_and_the_threads_it_starts(tmp_path)
     engine_core = HOST_CORES[-1]
 
     def engine_thread():
-        placement = place_engine_thread(1, {CORES_ENV: str(engine_core)}, str(tmp_path))
+        placement = place_engine_thread(1, environ={CORES_ENV: str(engine_core)}, lock_dir=str(tmp_path))
         mine = os.sched_getaffinity(0)
         team = _in_thread(lambda: os.sched_getaffinity(0))  # as its OpenMP team would be
-        second = place_engine_thread(1, {CORES_ENV: str(engine_core)}, str(tmp_path))  # another engine finds it held
+        second = place_engine_thread(1, environ={CORES_ENV: str(engine_core)}, lock_dir=str(tmp_path))  # another engine finds it held
         placement.release()
         return placement, mine, team, second, os.sched_getscheduler(0)
 
@@ -82,7 +82,7 @@ def test_a_decode_engine_thread_binds_itself_and_the_threads_it_starts(tmp_path)
 
 def test_a_prefill_engine_thread_yields_and_so_do_the_threads_it_starts(tmp_path):
     def engine_thread():
-        placement = place_engine_thread(1, {YIELDS_ENV: "1"}, str(tmp_path))
+        placement = place_engine_thread(1, environ={YIELDS_ENV: "1"}, lock_dir=str(tmp_path))
         team = _in_thread(lambda: os.sched_getscheduler(0))
         return placement, os.sched_getscheduler(0), team, os.sched_getaffinity(0)
 
@@ -95,8 +95,10 @@ def test_a_prefill_engine_thread_yields_and_so_do_the_threads_it_starts(tmp_path
 
 def test_without_the_variables_an_engine_thread_stays_as_it_was(tmp_path):
     placement, cores, policy = _in_thread(
-        lambda: (place_engine_thread(1, {}, str(tmp_path)), os.sched_getaffinity(0), os.sched_getscheduler(0)))
+        lambda: (place_engine_thread(1, environ={}, lock_dir=str(tmp_path)), os.sched_getaffinity(0), os.sched_getscheduler(0)))
     assert (placement.cores, placement.yields, cores, policy) == (None, False, set(HOST_CORES), os.SCHED_OTHER)
+    on_gpu = place_engine_thread(1, "cuda", environ={CORES_ENV: str(HOST_CORES[-1]), YIELDS_ENV: "1"}, lock_dir=str(tmp_path))
+    assert on_gpu.info() == {"cores": None, "yields": False}  # the GPU's host threads are left alone
 
 
 def _config(threads: int, replicas: int = 1, engine_cores: str = "own", colocated: bool = False) -> ClusterConfig:
