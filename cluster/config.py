@@ -12,7 +12,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
 INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
-ENGINE_CORES = ("shared", "own")  # cluster/engine_cores.py
+ENGINE_CORES = ("auto", "own", "shared")  # cluster/engine_cores.py
 GGUF_SUFFIX = ".gguf"
 # For every local Ray pdserve starts (deploy/cluster.yaml's `ray start` commands set the
 # same): Ray runs its workers at nice 15 by default, below every ordinary process on the
@@ -240,9 +240,10 @@ class ClusterConfig:
     # How clients reach the gateways (cluster/ingress.py): a local Ray's setting; a Ray
     # cluster's own is set where it starts (deploy/cluster.yaml).
     ingress: str = "auto"
-    # Every process on every core (shared), or a local CPU cluster's decode engines on cores
-    # of their own when their threads leave one to spare (own): cluster/engine_cores.py.
-    engine_cores: str = "shared"
+    # A local CPU cluster's decode engines on cores of their own, its prefill engines
+    # yielding: when every engine thread has a core (auto), whenever the decode threads
+    # leave one to spare (own), or never (shared): cluster/engine_cores.py.
+    engine_cores: str = "auto"
     redis_url: str | None = None
     gateway: GatewayConfig = GatewayConfig()
     routing: RoutingConfig = RoutingConfig()

@@ -8,27 +8,32 @@ lost up to 11 ms to other processes (step wall time minus its thread's CPU time:
 ms, 3.2 ms without the long prompts), and 1536-token prompts raised the decodes' p99 ITL
 1.31x.
 
-So with `--engine-cores own`, when the decode engines' threads (every replica's at most,
-every rank's) leave at least one core of the host to spare (`plan`), a local cluster's
-driver tells
+So a local cluster's driver can tell
 
-- the decode tier which cores are theirs ($PDSERVE_ENGINE_CORES): each engine thread
-  claims as many as it has torch threads (`claim_cores`: an exclusive lock file per core,
-  which the kernel releases when the process dies, so a restarted replica finds its core
-  free) and binds itself to them; its OpenMP team inherits the binding. The rest of the
-  engine's process (its event loop, KV receives) runs anywhere, like every other process;
+- the decode tier which cores are theirs ($PDSERVE_ENGINE_CORES): the last cores of the
+  host. Each engine thread claims as many as it has torch threads (`claim_cores`: an
+  exclusive lock file per core, which the kernel releases when the process dies, so a
+  restarted replica finds its core free) and binds itself to them; its OpenMP team
+  inherits the binding. The rest of the engine's process (its event loop, KV receives)
+  runs anywhere, like every other process;
 - the prefill tier to yield ($PDSERVE_ENGINE_YIELDS): its engine threads run at
   SCHED_IDLE, on every core, so the control path always goes first, and a core that
   looks busy only with a prompt is where the scheduler puts what wakes up, not the decode
   engine's. Prompts take every cycle nothing else wants, the decode engine's core
   included while it idles, and only those: beside processes that keep the other cores
-  busy (a heavy load client on the same host) they wait. And the split is hard: a
-  prompt-heavy load gets less of the host (under skew to one hot prefix, 2 prefill + 1
-  decode replicas on 2 cores, kv_aware's p99 TTFT was 2.5x the shared figure), which is
-  why `shared` stays the default.
+  busy (a heavy load client on the same host) they wait.
 
-Nothing is bound otherwise (as many decode threads as cores, `--engine-cores shared`, GPU):
-a yielding prefill engine beside decode engines that fill every core would starve.
+When (`plan`, by `--engine-cores`):
+  auto    (the default) when the decode threads leave a core to spare and every engine
+          thread of the cluster, prefill's included, has a core: 1P1D with one thread
+          each on 2 cores. With more engine threads than cores the split is too hard:
+          under skew to one hot prefix, 2 prefill + 1 decode replicas on 2 cores, kv_aware's
+          p99 TTFT was 2.5x the unplaced figure (one core for 1 decode thread, 2 yielding
+          prefill threads on the leftovers).
+  own     whenever the decode threads leave a core to spare.
+  shared  never.
+Nothing is bound otherwise, nor on GPU: a yielding prefill engine beside decode engines
+that fill every core would starve.
 """
 
 from __future__ import annotations
@@ -62,11 +67,15 @@ class CorePlan:
         return {YIELDS_ENV: "1"}
 
 
-def plan(decode_threads: int, cores: Sequence[int] = HOST_CORES) -> CorePlan | None:
-    """The last `decode_threads` of `cores` for the decode engines; None when that would
-    leave no core to the rest."""
+def plan(decode_threads: int, engine_threads: int, mode: str = "auto",
+         cores: Sequence[int] = HOST_CORES) -> CorePlan | None:
+    """The last `decode_threads` of `cores` for the decode engines, when `mode` (see the
+    module docstring) places them: None for shared, when no core would be left to the rest,
+    and, for auto, when the cluster's `engine_threads` outnumber the cores."""
     cores = sorted(cores)
-    if not 0 < decode_threads < len(cores):
+    if mode == "shared" or not 0 < decode_threads < len(cores):
+        return None
+    if mode == "auto" and engine_threads > len(cores):
         return None
     return CorePlan(tuple(cores[-decode_threads:]))
 

@@ -122,10 +122,11 @@ def on_this_machine(config: ClusterConfig) -> ClusterConfig:
 
 def engine_cores_of(config: ClusterConfig) -> engine_cores.CorePlan | None:
     """The decode engines' own cores on this host for `config`, if they get some."""
-    if config.engine_cores != "own" or config.engine.device != "cpu":
+    if config.engine.device != "cpu":
         return None
     t = config.decode
-    return engine_cores.plan(t.torch_threads * t.tensor_parallel_size * most_replicas(t))
+    decode_threads = t.torch_threads * t.tensor_parallel_size * most_replicas(t)
+    return engine_cores.plan(decode_threads, compute_threads(config), config.engine_cores)
 
 
 def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True) -> str:

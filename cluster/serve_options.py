@@ -52,9 +52,9 @@ SERVE_FLAGS = (
     Flag("--ingress", ("ingress",), "how clients reach the gateways on a local Ray: direct (HAProxy in front of the "
          "gateway replicas' own HTTP and gRPC servers), proxy (Serve's proxy actors), auto (direct where Serve ships "
          "HAProxy)", INGRESS_MODES),
-    Flag("--engine-cores", ("engine_cores",), "a local CPU cluster: shared runs every process on every core; own gives "
-         "each decode engine thread a core of its own and makes prefill engines yield, when the decode threads leave a "
-         "core to spare",
+    Flag("--engine-cores", ("engine_cores",), "a local CPU cluster: each decode engine thread gets a core of its own "
+         "and prefill engines yield, when every engine thread has a core (auto), whenever the decode threads leave a "
+         "core to spare (own), or never (shared)",
          ENGINE_CORES),
     Flag("--redis-url", ("redis_url",), "prefix index and rate limits (default: a private redis-server on a free port)"),
     Flag("--routing", ("routing.policy",), "how the gateway places requests on workers (kv_aware: the Redis prefix index)",

@@ -12,8 +12,9 @@ compare  runs the same workload against two targets, alternately for --rounds ro
              <P>p<D>d[:ROUTING]       P prefill and D decode replicas, e.g. 1p1d, 2p1d:round_robin
          and either with @T: T torch threads per replica instead of --torch-threads, so
          that configurations with the same total threads compare (colocated@2 vs 1p1d@1),
-         and with /own: decode engines on cores of their own (--engine-cores own), e.g.
-         1p1d@1 vs 1p1d@1/own.
+         and with /CORES: --engine-cores CORES (auto, own, shared; default auto: whether
+         decode engines get cores of their own, cluster/engine_cores.py), e.g. 1p1d@1 vs
+         1p1d@1/shared.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def run_sweep(args) -> int:
 
 # ---- compare -----------------------------------------------------------------------------
 
-LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?(/own)?$")
+LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?(?:/(auto|own|shared))?$")
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class LocalTarget:
     decode: int
     routing: str | None
     threads: int | None
-    engine_cores: str = "shared"
+    engine_cores: str = "auto"
 
     @property
     def colocated(self) -> bool:
@@ -102,11 +103,11 @@ def local_target(spec: str) -> LocalTarget | None:
     m = LOCAL.match(spec)
     if not m:
         return None
-    colocated, prefill, decode, routing, threads, own = m.groups()
+    colocated, prefill, decode, routing, threads, engine_cores = m.groups()
     prefill, decode = (0, int(colocated or 1)) if prefill is None else (int(prefill), int(decode))
     if decode < 1 or (prefill < 1 and colocated is None):
         return None
-    return LocalTarget(prefill, decode, routing, int(threads) if threads else None, "own" if own else "shared")
+    return LocalTarget(prefill, decode, routing, int(threads) if threads else None, engine_cores or "auto")
 
 
 def parse_target(spec: str):
@@ -114,9 +115,9 @@ def parse_target(spec: str):
     if spec.startswith(("http://", "https://")):
         return spec
     if local_target(spec) is None:
-        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads][/own]' or "
-                         "'<P>p<D>d[:routing][@threads][/own]' (e.g. 1p1d, 2p1d:round_robin, colocated@2, 2colocated@1, "
-                         "1p1d@1/own)")
+        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads][/cores]' or "
+                         "'<P>p<D>d[:routing][@threads][/cores]' (e.g. 1p1d, 2p1d:round_robin, colocated@2, "
+                         "2colocated@1, 1p1d@1/shared)")
     return spec
 
 

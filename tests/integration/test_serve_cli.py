@@ -64,16 +64,17 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
     0; a stream running at that moment drains: it ends with its finish reason. Through
     either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies.
-    Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers; with
-    `--engine-cores own`, a decode engine whose threads leave a core to spare gets cores of
-    its own, and the prefill engine yields."""
+    Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers; by
+    default (`--engine-cores auto`), where every engine thread has a core and the decode
+    engine's leave one to spare, the decode engine gets cores of its own, and the prefill
+    engine yields."""
     http_port, grpc_port = free_port(), free_port()
     key_file = tmp_path / "keys"
     key_file.write_text("sk-from-file\n")
     proc = subprocess.Popen(
         [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file), "--ingress", ingress,
-         "--torch-threads", str(torch_threads), "--engine-cores", "own"],
+         "--torch-threads", str(torch_threads)],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -104,9 +105,10 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         wait = waiting_env(2 * torch_threads, usable_cpus())
         ranks = [rank for tier in ("prefill", "decode") for worker in stats[tier].values() for rank in worker["ranks"]]
         assert [(r["torch_threads"], r["openmp_wait"]) for r in ranks] == [(torch_threads, wait)] * 2
-        # Where its threads leave a core to spare, the decode engine's thread has its own, and
-        # the prefill engine's yields to everything else (cluster/engine_cores.py).
-        cores = engine_cores.plan(torch_threads)
+        # Where every engine thread has a core and the decode engine's leave one to spare, the
+        # decode engine's thread has its own, and the prefill engine's yields to everything
+        # else (cluster/engine_cores.py).
+        cores = engine_cores.plan(torch_threads, 2 * torch_threads)
         assert [(r["cores"], r["yields"]) for r in ranks] == [(None, bool(cores)), (list(cores.decode) if cores else None, False)]
         prefill, decode = (psutil.Process(r["pid"]) for r in ranks)
         assert decode.cpu_affinity() == list(engine_cores.HOST_CORES)  # the main thread: anywhere

@@ -93,8 +93,9 @@ def test_skewed_prefix_repetition_and_interference_prompts(tiny_llama):
     ("colocated:round_robin@2", LocalTarget(0, 1, "round_robin", 2)),
     ("1p2d", LocalTarget(1, 2, None, None)),
     ("2p1d:kv_aware@1", LocalTarget(2, 1, "kv_aware", 1)),
+    ("1p1d@1/auto", LocalTarget(1, 1, None, 1, engine_cores="auto")),
     ("1p1d@1/own", LocalTarget(1, 1, None, 1, engine_cores="own")),
-    ("colocated/own", LocalTarget(0, 1, None, None, engine_cores="own")),
+    ("colocated/shared", LocalTarget(0, 1, None, None, engine_cores="shared")),
 ])
 def test_local_targets_name_replicas_routing_threads_and_cores(spec, want):
     assert local_target(spec) == want

@@ -17,13 +17,22 @@ several_cores = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores")
 
 
 def test_the_decode_engines_take_the_last_cores_only_if_one_is_left_for_the_rest():
-    assert plan(1, [0, 1]) == CorePlan(decode=(1,))
-    assert plan(2, [5, 3, 4, 2]) == CorePlan(decode=(4, 5))
-    assert plan(2, [0, 1]) is None  # nothing left for the gateway, Ray, the prefill engines
-    assert plan(3, [0, 1]) is None
-    assert plan(0, [0, 1]) is None
-    assert plan(1, [0, 1]).decode_env == {CORES_ENV: "1"}
-    assert plan(1, [0, 1]).prefill_env == {YIELDS_ENV: "1"}
+    assert plan(1, 2, cores=[0, 1]) == CorePlan(decode=(1,))
+    assert plan(2, 4, cores=[5, 3, 4, 2]) == CorePlan(decode=(4, 5))
+    assert plan(2, 2, "own", [0, 1]) is None  # nothing left for the gateway, Ray, the prefill engines
+    assert plan(3, 3, "own", [0, 1]) is None
+    assert plan(0, 1, "own", [0, 1]) is None
+    assert plan(1, 2, cores=[0, 1]).decode_env == {CORES_ENV: "1"}
+    assert plan(1, 2, cores=[0, 1]).prefill_env == {YIELDS_ENV: "1"}
+
+
+def test_auto_places_only_when_every_engine_thread_has_a_core():
+    # 1P1D with a thread each on 2 cores: placed. 2P1D: three engine threads on two cores,
+    # where a reserved core would leave two yielding prefill engines one core's leftovers.
+    assert plan(1, 3, "auto", [0, 1]) is None
+    assert plan(1, 3, "own", [0, 1]) == CorePlan(decode=(1,))
+    assert plan(1, 3, "auto", [0, 1, 2]) == CorePlan(decode=(2,))
+    assert plan(1, 2, "shared", [0, 1]) is None
 
 
 def test_a_claimed_core_is_nobody_elses_until_released(tmp_path):
@@ -101,17 +110,22 @@ def test_without_the_variables_an_engine_thread_stays_as_it_was(tmp_path):
     assert on_gpu.info() == {"cores": None, "yields": False}  # the GPU's host threads are left alone
 
 
-def _config(threads: int, replicas: int = 1, engine_cores: str = "own", colocated: bool = False) -> ClusterConfig:
-    tier = TierConfig(num_replicas=replicas, torch_threads=threads)
-    return ClusterConfig(engine=EngineConfig(model="unused"), prefill=tier, decode=tier, colocated=colocated,
-                         engine_cores=engine_cores)
+def _config(threads: int, replicas: int = 1, engine_cores: str = "own", colocated: bool = False,
+            prefill_replicas: int = 1) -> ClusterConfig:
+    return ClusterConfig(engine=EngineConfig(model="unused"), colocated=colocated, engine_cores=engine_cores,
+                         prefill=TierConfig(num_replicas=prefill_replicas, torch_threads=threads),
+                         decode=TierConfig(num_replicas=replicas, torch_threads=threads))
 
 
-def test_the_serve_driver_plans_for_every_decode_thread_and_only_on_cpu():
+def test_the_serve_driver_plans_for_every_engine_thread_and_only_on_cpu():
     n = len(HOST_CORES)
-    assert engine_cores_of(_config(1)) == plan(1)
+    assert engine_cores_of(_config(1)) == plan(1, 2, "own")
     assert engine_cores_of(_config(1, replicas=n)) is None  # every core a decode thread's: none to spare
     assert engine_cores_of(_config(1, engine_cores="shared")) is None
+    assert ClusterConfig(engine=EngineConfig(model="unused")).engine_cores == "auto"
+    # auto counts the prefill tier's threads too (none when colocated).
+    assert engine_cores_of(_config(1, engine_cores="auto", prefill_replicas=n)) is None
+    assert engine_cores_of(_config(1, engine_cores="auto", prefill_replicas=n, colocated=True)) == plan(1, 1, "auto")
     gpu = _config(1)
     gpu = ClusterConfig(engine=EngineConfig(model="unused", device="cuda"), decode=gpu.decode)
     assert engine_cores_of(gpu) is None
