@@ -656,10 +656,10 @@ void pd_store_kv(const void *key, int64_t k_stride, const void *value, int64_t v
    cache when its turn comes. Blocks lie anywhere in the cache, so the hardware prefetcher
    cannot guess the next one; without this a cold step (as every real one is) waits on
    each block (measured 25% of the attention at batch 8-16). Into L2 (prefetcht1), as the
-   other prefetches here: requested into L1 (prefetcht0, the default), a block's lines held
-   the core's few L1 miss buffers and the prefetches stalled the pass (decode of 8 x 300 and
-   8 x 1000 tokens in fp32, cold, 30 layers, AMD EPYC: 0.74-0.83x the time with L2, 1 or 2
-   threads, AVX2 or AVX-512; bf16 0.99-1.03x). */
+   other prefetches here: into L1 (prefetcht0, the default) was slower in fp32 (decode of
+   8 x 300 and 8 x 1000 tokens, cold, 30 layers, AMD EPYC: 0.74-0.83x the time with L2, 1 or
+   2 threads, AVX2 or AVX-512; bf16 0.99-1.03x), likely as a block's requests held the
+   core's few L1 miss buffers that the pass's own loads then waited for. */
 static inline const char *block_after(const void *cache, int dtype, const int32_t *table, int64_t b, int64_t L,
                                       int64_t block_size, int64_t row) {
     return (b + 1) * block_size < L ? at(cache, (int64_t)table[b + 1] * block_size * row, dtype) : NULL;
