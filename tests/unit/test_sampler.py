@@ -400,8 +400,11 @@ def test_logprobs_report_raw_distribution():
     out = Sampler()(logits, rows)
     ref = torch.log_softmax(logits.float(), -1)
     for i, (t, p) in enumerate(zip(out, params)):
+        if p.logprobs is None:
+            assert t.logprob is None and t.top == []  # not asked: not computed
+            continue
         assert t.logprob == pytest.approx(ref[i, t.token_id].item(), abs=1e-5)
-        want = p.logprobs or 0
+        want = p.logprobs
         assert len(t.top) == want
         if want:
             vals, ids = ref[i].topk(want)
@@ -416,15 +419,29 @@ def test_logprobs_report_raw_distribution():
     assert out[0].logprob == pytest.approx(out[0].top[0][1], abs=1e-6)
 
 
-def test_logprob_reported_without_any_logprobs_request():
-    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(8))
-    rows = [row(SP(temperature=0.0)), row(SP(temperature=1.0), gen=make_generator(1)), row(SP(top_k=3))]
-    out = Sampler()(logits, rows)
+def test_logprobs_are_computed_only_for_the_rows_that_ask():
+    """logprobs=0 asks for the chosen token's logprob alone; None asks for nothing, and the
+    row's logsumexp over the vocabulary is skipped (its logprob is None). The tokens do not
+    depend on it."""
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(8))
+    asks = [None, 0, None, 0]
+
+    def rows(logprobs):
+        return [row(SP(temperature=0.0, logprobs=logprobs[0])),
+                row(SP(temperature=1.0, logprobs=logprobs[1]), gen=make_generator(1)),
+                row(SP(top_k=3, logprobs=logprobs[2]), gen=make_generator(2)),
+                row(SP(temperature=0.0, logprobs=logprobs[3]))]
+
+    out = Sampler()(logits, rows(asks))
+    assert [t.token_id for t in out] == [t.token_id for t in Sampler()(logits, rows([0] * 4))]
     ref = torch.log_softmax(logits, -1)
     for i, t in enumerate(out):
         assert t.top == []
-        assert t.logprob == pytest.approx(ref[i, t.token_id].item(), abs=1e-5)
-        assert math.isfinite(t.logprob)
+        if asks[i] is None:
+            assert t.logprob is None
+        else:
+            assert t.logprob == pytest.approx(ref[i, t.token_id].item(), abs=1e-5)
+            assert math.isfinite(t.logprob)
 
 
 def test_logprob_ignores_penalties_and_temperature():
