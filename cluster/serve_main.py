@@ -79,7 +79,11 @@ class ServeStartError(RuntimeError):
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on (host, port) now: no socket listens there. Bound as
+    the servers bind (HAProxy, uvicorn and gRPC set SO_REUSEADDR), so that the connections
+    of a server just stopped, in TIME_WAIT for a minute, do not count."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -19,6 +19,7 @@ from cluster.ingress import resolve
 from cluster.lifetime import POLL_S
 from cluster.openmp import usable_cpus, waiting_env
 from cluster.redis_server import free_port
+from cluster.serve_main import port_free
 from tests.helpers import PDSERVE
 
 
@@ -192,6 +193,26 @@ def test_serve_refuses_a_port_in_use():
         port = taken.getsockname()[1]
         result = subprocess.run([*PDSERVE, "serve", "--http-port", str(port)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and f"HTTP port {port} is in use" in result.stderr
+
+
+def test_a_port_whose_server_just_stopped_is_free():
+    """A server stopped a moment ago leaves its accepted connections in TIME_WAIT for a
+    minute; `pdserve serve` restarted at once must not call its port in use (a fresh
+    server binds it, with SO_REUSEADDR as servers set it)."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not port_free("127.0.0.1", port)  # listening: in use
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server closes first: its end of the connection stays in TIME_WAIT
+        client.recv(1)
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):  # the TIME_WAIT is there: a plain bind is refused
+        plain.bind(("127.0.0.1", port))
+    assert port_free("127.0.0.1", port)
 
 
 def test_serve_refuses_a_tensor_parallel_size_the_model_cannot_split():
