@@ -101,7 +101,12 @@ def cpus_requested(config) -> float:
 def compute_threads(config: ClusterConfig) -> int:
     """Torch threads of all the cluster's worker ranks, at its most replicas."""
     tiers = [config.decode] if config.colocated else [config.prefill, config.decode]
-    return sum(t.torch_threads * t.tensor_parallel_size * most_replicas(t) for t in tiers)
+    return sum(tier_threads(t) for t in tiers)
+
+
+def tier_threads(tier) -> int:
+    """Torch threads of a tier's worker ranks, at its most replicas."""
+    return tier.torch_threads * tier.tensor_parallel_size * most_replicas(tier)
 
 
 def most_replicas(tier) -> int:
@@ -128,9 +133,7 @@ def engine_cores_of(config: ClusterConfig) -> engine_cores.CorePlan | None:
     """The decode engines' own cores on this host for `config`, if they get some."""
     if config.engine.device != "cpu":
         return None
-    t = config.decode
-    decode_threads = t.torch_threads * t.tensor_parallel_size * most_replicas(t)
-    return engine_cores.plan(decode_threads, compute_threads(config), config.engine_cores)
+    return engine_cores.plan(tier_threads(config.decode), compute_threads(config), config.engine_cores)
 
 
 def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True) -> str:
