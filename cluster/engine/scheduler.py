@@ -6,9 +6,13 @@ so both are tested without one.
 
 One step:
   1. Running requests, in admission order, each get
-     min(tokens left to compute, remaining budget) tokens. If blocks run out, the
-     most recently admitted running request is preempted (blocks freed, progress
-     reset to zero, put back at the front of the waiting queue) until it fits.
+     min(tokens left to compute, remaining budget) tokens; a prompt chunk leaves one
+     token to each decode after it, so no decode skips a step behind a long prompt.
+     Prompts in progress leave room (up to half of the step's prompt tokens) to the
+     waiting prompts that are shorter than what they have left, so a short prompt
+     starts in the next step instead of after a long one's last chunk. If blocks run
+     out, the most recently admitted running request is preempted (blocks freed,
+     progress reset to zero, put back at the front of the waiting queue) until it fits.
   2. If nothing was preempted, waiting requests are admitted in FCFS order while
      budget, `max_num_seqs` and blocks allow, starting from their cached prefix.
 A request whose prompt is longer than the remaining budget is prefilled in chunks
@@ -206,6 +210,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         prompt_left = budget if prompt_budget is None else prompt_budget
+        in_progress_left = prompt_left - self._room_for_shorter_waiting(prompt_left // 2)
+        decodes_left = self.num_decoding  # a prompt chunk leaves their token to the decodes after it
         scheduled: list[Request] = []
 
         i = 0
@@ -213,9 +219,10 @@ class Scheduler:
             request = self.running[i]
             n = self._chunk_size(request, budget)
             decoding = request.num_computed_tokens == request.num_tokens - 1
+            decodes_left -= decoding
             if not decoding:
-                n = min(n, prompt_left)
-                if n == 0:  # no prompt work left in this step: it continues in the next
+                n = min(n, in_progress_left, budget - decodes_left)
+                if n <= 0:  # no prompt work left in this step: it continues in the next
                     i += 1
                     continue
             while not self.kv.allocate_slots(request, n):
@@ -229,6 +236,7 @@ class Scheduler:
                 scheduled.append(request)
                 budget -= n
                 prompt_left -= 0 if decoding else n
+                in_progress_left -= 0 if decoding else n
                 i += 1
 
         while self.waiting and budget > 0 and prompt_left > 0 and not out.preempted_request_ids:
@@ -266,6 +274,24 @@ class Scheduler:
                 )
             )
         return out
+
+    def _room_for_shorter_waiting(self, limit: int) -> int:
+        """Prompt tokens (at most `limit`) the prompts in progress leave to the waiting
+        requests that, in FCFS order, each have fewer tokens to compute than one in progress
+        has left: a short prompt is not blocked behind a long one's every chunk, while a
+        long one still waits its turn instead of sharing steps with the first (which would
+        delay both first tokens)."""
+        longest = max((r.num_tokens - r.num_computed_tokens for r in self.running
+                       if r.num_computed_tokens < r.num_tokens - 1), default=0)
+        tokens = 0
+        for admitted, request in enumerate(self.waiting, start=len(self.running)):
+            if tokens >= limit or admitted >= self.config.max_num_seqs:
+                break
+            need = request.num_tokens - self.kv.cached_prefix(request)[1]
+            if need >= longest:
+                break
+            tokens += need
+        return min(tokens, limit)
 
     def _chunk_size(self, request: Request, budget: int) -> int:
         n = min(request.num_tokens - request.num_computed_tokens, budget)

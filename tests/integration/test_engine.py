@@ -161,3 +161,29 @@ def test_async_engine_builds_its_engine_on_the_engine_thread(tiny_llama):
         aengine.shutdown()
     with pytest.raises(ModelLoadError, match="does not exist"):
         AsyncEngine(lambda: Engine.from_pretrained("/nonexistent/model"))
+
+
+def test_a_short_prompt_behind_a_long_one_gets_its_first_token_first(tiny_llama):
+    """A prompt in progress leaves room in each step to a shorter one waiting behind it:
+    the short prompt's first token comes before the long prompt's, and neither changes."""
+    engine = Engine.from_pretrained(
+        str(tiny_llama), dtype="float32", max_model_len=512,
+        cache=CacheConfig(block_size=8, num_blocks=256, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32),
+    )
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    long_prompt, short_prompt = "the long prompt " * 60, "a short one"
+    alone = {p: engine.generate([p], greedy)[0].token_ids for p in (long_prompt, short_prompt)}
+    long_id = engine.add_request(long_prompt, greedy)
+    assert not engine.step()  # its first chunk only: 240 prompt tokens take 8 steps
+    short_id = engine.add_request(short_prompt, greedy)
+    first_tokens, tokens = [], {long_id: [], short_id: []}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.new_token_ids and not tokens[out.request_id]:
+                first_tokens.append(out.request_id)
+            tokens[out.request_id] += out.new_token_ids
+    assert first_tokens == [short_id, long_id]
+    assert tokens == {long_id: alone[long_prompt], short_id: alone[short_prompt]}
+    engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0

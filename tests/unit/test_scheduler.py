@@ -149,3 +149,44 @@ def test_requests_waiting_for_kv_are_not_schedulable():
     assert s.schedule().is_empty
     assert s.accept_remote_token("r", 7) is not None and not s.has_schedulable
     assert s.commit_remote("r", kv_received=True) and s.has_schedulable
+
+
+def test_a_prompt_that_arrives_behind_a_long_one_starts_in_the_next_step():
+    s = make(num_blocks=32, budget=16)
+    s.add_request(req("long", 60))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"long": 16}  # nothing waits: the whole budget
+    s.add_request(req("short", 6, start=100))
+    out, _ = run_step(s)
+    # The prompt in progress leaves the shorter waiting one its 6 tokens: it finishes its
+    # prompt now instead of after the long prompt's three remaining chunks.
+    assert out.num_scheduled_tokens == {"long": 10, "short": 6}
+    assert next(c for c in out.chunks if c.request_id == "short").sample
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"long": 15, "short": 1}  # its decode keeps its token
+
+
+def test_a_waiting_prompt_leaves_room_only_up_to_half_a_step_and_only_if_shorter():
+    s = make(num_blocks=64, budget=16)
+    s.add_request(req("long", 40))
+    run_step(s)  # 24 left
+    s.add_request(req("mid", 20, start=100))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"long": 8, "mid": 8}  # shorter, but room is half a step
+    s2 = make(num_blocks=64, budget=16)
+    s2.add_request(req("first", 40))
+    run_step(s2)  # 24 left
+    s2.add_request(req("longer", 30, start=100))
+    out, _ = run_step(s2)
+    # Not shorter than what the first has left: it waits its turn rather than sharing the
+    # steps, which would delay both first tokens.
+    assert out.num_scheduled_tokens == {"first": 16}
+
+
+def test_no_room_is_left_for_a_waiting_prompt_that_cannot_be_admitted():
+    s = make(num_blocks=64, budget=16, max_seqs=1)
+    s.add_request(req("long", 40))
+    run_step(s)
+    s.add_request(req("short", 4, start=100))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"long": 16}  # max_num_seqs: it could not start anyway
