@@ -200,7 +200,8 @@ class RoutingConfig:
     running_weight: float = 16.0
     # Load beats affinity (kv_aware, prefix_hash): a worker carrying more than this many
     # requests (queued + running) over the least-loaded worker of its tier gets no new
-    # request, whatever it caches; the least-loaded one gets it.
+    # request, whatever it caches; the least-loaded one gets it, unless more prompt tokens
+    # queue there.
     load_margin: int = 4
     # Conditional disaggregation (kv_aware, with a prefill tier): a prompt of at most this many
     # uncached tokens is computed by its decode worker when the prefill worker's queue would

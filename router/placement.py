@@ -33,9 +33,11 @@ this gateway counts before the index sees it, without counting it twice.
 
 Load beats affinity (kv_aware and prefix_hash): when the worker that affinity picked
 carries more than `load_margin` requests over the least-loaded worker of its tier, the
-least-loaded one gets the request instead (pdserve_route_load_overrides_total{tier}). A
-hot prefix therefore spreads once its worker is busy, and a replica added under load
-takes new work at once.
+least-loaded one gets the request instead (pdserve_route_load_overrides_total{tier}),
+unless more prompt tokens queue there than at the one affinity picked: fewer requests
+behind a long prompt are no shorter a wait (a burst of short hot-prefix prompts must
+not push one behind a cold 500-token prompt elsewhere). A hot prefix therefore spreads
+once its worker is busy, and a replica added under load takes new work at once.
 
 The hashes are `cluster/kv/hashing.py`'s, over the blocks the engine could reuse (all
 full blocks but one token, as KVCacheManager.cached_prefix counts them).
@@ -263,9 +265,10 @@ class Placer:
         return self._placement(chosen, lambda c: n)
 
     def _balance(self, tier: str, candidates: list[Candidate], choice: Candidate, order: dict[str, int]) -> Candidate:
-        """Load beats affinity: the least-loaded worker when `choice` is past the margin."""
+        """Load beats affinity: the least-loaded worker when `choice` is past the margin,
+        unless more prompt tokens queue there (the prompt would start later, not sooner)."""
         least = min(candidates, key=lambda c: (c.requests, c.queued_tokens, order[c.worker_id]))
-        if choice.requests - least.requests > self.config.load_margin:
+        if choice.requests - least.requests > self.config.load_margin and least.queued_tokens <= choice.queued_tokens:
             self.metrics.load_overrides.labels(tier).inc()
             return least
         return choice

@@ -1,7 +1,8 @@
 """Placement decisions against a real prefix index (redis-server, real publishers):
 the candidates are the replicas Serve routes to, not only the indexed ones; a replica
 the index does not list yet counts with an empty cache and no load; one Serve removed
-gets nothing; and load beats affinity past `load_margin`, for kv_aware and prefix_hash.
+gets nothing; and load beats affinity past `load_margin`, for kv_aware and prefix_hash,
+but never toward a longer queue of prompt tokens.
 Conditional disaggregation: a short prompt goes to its decode worker only when the prefill
 queue would start it later than the decode worker finishes it.
 (The same rules on a live cluster: tests/integration/test_cluster.py.)"""
@@ -88,14 +89,47 @@ def test_load_beats_affinity_for_one_hot_prefix(redis_url, policy):
             ("decode", "d1", {"cached": HASHES}), ("decode", "d2", {}))
     p, metrics = placer(redis_url, {"prefill": {"p1", "p2"}, "decode": {"d1", "d2"}}, policy=policy, margin=4)
     placements = place(p, 16)  # one prefix, all running at once
-    for tier in ("prefill", "decode"):
+    balanced_by_count = ("prefill", "decode") if policy == "prefix_hash" else ("decode",)
+    for tier in balanced_by_count:
         chosen = [getattr(pl, tier).replica for pl in placements]
         counts = {r: chosen.count(r) for r in set(chosen)}
         assert len(counts) == 2 and min(counts.values()) >= 16 // 4, (tier, counts)
         assert max(counts.values()) - min(counts.values()) <= 4 + 1  # never past the margin (+ the one placed)
+    if policy == "kv_aware":
+        # A prefill worker's queue is counted in prompt tokens: p1 computes 3 per request
+        # (its cache holds the rest), p2 all 67. p2 took one when p1 was past the margin;
+        # then p1's queue stayed the shorter, so a second move would start a prompt later.
+        queued = p.in_flight.prefill_tokens
+        assert {pl.prefill.replica for pl in placements} == {"p1", "p2"}
+        assert queued["p1"] <= queued["p2"] <= queued["p1"] + len(PROMPT)
     # prefix_hash knows no load but by the margin rule; kv_aware's decode cost weighs load itself.
     assert metrics.load_overrides.labels("prefill")._value.get() > 0
     assert (metrics.load_overrides.labels("decode")._value.get() > 0) == (policy == "prefix_hash")
+
+
+def test_load_does_not_move_a_prompt_behind_more_queued_prompt_tokens(redis_url):
+    """A burst of short hot-prefix prompts on p1 and one cold long prompt on p2: p1 is past
+    the margin in requests, but its queue is shorter in tokens, so it keeps the next one
+    (moved, it would wait behind the cold prompt and compute all of its own)."""
+    publish(redis_url, ("prefill", "p1", {"cached": HASHES}), ("prefill", "p2", {}),
+            ("decode", "d1", {}), ("decode", "d2", {}))
+    p, metrics = placer(redis_url, {"prefill": {"p1", "p2"}, "decode": {"d1", "d2"}}, margin=4)
+    cold = list(range(5000, 5000 + len(PROMPT)))
+
+    async def go():
+        placed = []
+        for prompt in [PROMPT] * 4 + [cold] + [PROMPT] * 8:
+            placed.append(await p.place(prompt))
+            p.started(placed[-1])
+        return placed
+    placed = asyncio.run(go())
+    assert all(pl.fallback is None for pl in placed)
+    assert [pl.prefill.replica for pl in placed[:4]] == ["p1"] * 4
+    assert placed[4].prefill.replica == "p2"  # both would compute all of it: the shorter queue
+    # p1 goes past the margin (5 and more requests against 1), but its queue stays the
+    # shorter in tokens (3 per request against 67).
+    assert [pl.prefill.replica for pl in placed[5:]] == ["p1"] * 8
+    assert metrics.load_overrides.labels("prefill")._value.get() == 0
 
 
 @pytest.mark.parametrize("policy", ["kv_aware", "prefix_hash"])
