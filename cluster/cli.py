@@ -71,13 +71,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
-
-
-
-
-
 def _positive_ints(text: str) -> list[int]:
     """A comma-separated list of integers >= 1 (argparse type: a bad one is a usage error)."""
     try:
