@@ -3,35 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 
-from cluster.bench.chaos_bench import add_chaos_flags, run_chaos
-from cluster.bench.cluster_bench import run_cluster_bench
-from cluster.bench.engine_bench import run_engine_bench
-from cluster.bench.serve_bench import add_serve_flags, run_serve_bench
-from cluster.bench.sweep_compare import add_compare_flags, add_sweep_flags, run_compare, run_sweep
+from cluster.bench.flags import add_chaos_flags, add_compare_flags, add_serve_flags, add_sweep_flags
 from cluster.config import DTYPES, CacheConfig, EngineConfig
 from cluster.cpu_features import CpuCapabilityError, detect
-from cluster.engine.engine import Engine
-from cluster.engine.sampling_params import SamplingParams
-from cluster.errors import InvalidRequestError
-from cluster.model.builtin import model_or_builtin
-from cluster.model.families import UnsupportedModelError
-from cluster.model.loader import ModelLoadError
-from cluster.serve_main import ServeStartError, run_serve, run_status
 from cluster.serve_options import add_serve_flags as add_config_flags
-from cluster.testing.random_checkpoint import ARCHS, SIZES, make_model
+from cluster.testing import ARCHS, SIZES
+
+# Parsing a command line (and --help) imports neither torch nor Ray: each command's code
+# is imported when it runs (`_runs`, and the imports inside the _cmd_* functions).
+
+
+def _runs(target: str):
+    """The command handler `module:function`, imported when the command runs."""
+    module, name = target.split(":")
+
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), name)(args)
+
+    return run
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
+    from cluster.testing.random_checkpoint import make_model  # noqa: PLC0415 - torch, only for this command
+
     out = make_model(args.arch, args.size, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
     print(out)
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    # torch, only for this command
+    from cluster.engine.engine import Engine  # noqa: PLC0415
+    from cluster.engine.sampling_params import SamplingParams  # noqa: PLC0415
+    from cluster.model.builtin import model_or_builtin  # noqa: PLC0415
+
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -129,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--rounds", type=int, default=3, help="alternating rounds per system; medians reported")
     be.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     be.add_argument("--result-dir", default="bench-results")
-    be.set_defaults(fn=run_engine_bench)
+    be.set_defaults(fn=_runs("cluster.bench.engine_bench:run_engine_bench"))
 
     bc = bsub.add_parser("cluster", help="end-to-end TTFT/TPOT: colocated against 1P1D on a local Ray")
     bc.add_argument("--model", required=True)
@@ -142,34 +152,34 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--torch-threads", type=int, default=1, help="per replica")
     bc.add_argument("--rounds", type=int, default=2)
     bc.add_argument("--result-dir", default="bench-results")
-    bc.set_defaults(fn=run_cluster_bench)
+    bc.set_defaults(fn=_runs("cluster.bench.cluster_bench:run_cluster_bench"))
 
     bs = bsub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server (vllm bench serve's flags)")
     add_serve_flags(bs)
-    bs.set_defaults(fn=run_serve_bench)
+    bs.set_defaults(fn=_runs("cluster.bench.serve_bench:run_serve_bench"))
     bw = bsub.add_parser("sweep", help="request-rate sweep: the highest rate meeting TTFT and TPOT SLOs for 90%% of requests")
     add_serve_flags(bw)
     add_sweep_flags(bw)
-    bw.set_defaults(fn=run_sweep)
+    bw.set_defaults(fn=_runs("cluster.bench.sweep_compare:run_sweep"))
     bm = bsub.add_parser("compare", help="the same workload against two targets (URLs or local configs), alternately, as ratios")
     add_serve_flags(bm)
     add_compare_flags(bm)
-    bm.set_defaults(fn=run_compare)
+    bm.set_defaults(fn=_runs("cluster.bench.sweep_compare:run_compare"))
     bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
                          "checks that none failed, texts match an offline run and no KV block leaked")
     add_chaos_flags(bx)
-    bx.set_defaults(fn=run_chaos)
+    bx.set_defaults(fn=_runs("cluster.bench.chaos_bench:run_chaos"))
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
     add_config_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: every interface)")
     s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     s.add_argument("--api-key", action="append", help="require this API key (repeatable; also $PDSERVE_API_KEY)")
-    s.set_defaults(fn=run_serve)
+    s.set_defaults(fn=_runs("cluster.serve_main:run_serve"))
 
     st = sub.add_parser("status", help="replicas per tier, queue depths and KV usage of a running cluster")
     st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else 'auto')")
-    st.set_defaults(fn=run_status)
+    st.set_defaults(fn=_runs("cluster.serve_main:run_status"))
     return p
 
 
@@ -181,10 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         detect()  # a bad PDSERVE_CPU_DISABLE is a one-line error too
         return args.fn(args)
-    except (CpuCapabilityError, InvalidRequestError, ModelLoadError, UnsupportedModelError, ServeStartError, FileNotFoundError,
-            ValueError, ConnectionError) as e:
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors a user fixes from the message alone: one line, exit status 2. Imported
+    only once a command has failed (their modules import torch and Ray)."""
+    from cluster.errors import InvalidRequestError  # noqa: PLC0415
+    from cluster.model.families import UnsupportedModelError  # noqa: PLC0415
+    from cluster.model.loader import ModelLoadError  # noqa: PLC0415
+    from cluster.serve_main import ServeStartError  # noqa: PLC0415
+
+    return (CpuCapabilityError, InvalidRequestError, ModelLoadError, UnsupportedModelError, ServeStartError, FileNotFoundError,
+            ValueError, ConnectionError)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ from pathlib import Path
 from ray import serve
 
 from cluster.bench.plots import plot_chaos
-from cluster.bench.serve_bench import add_serve_flags, measure
-from cluster.bench.sweep_compare import add_local_target_flags, local_cluster, local_ray, local_target
+from cluster.bench.serve_bench import measure
+from cluster.bench.sweep_compare import local_cluster, local_ray, local_target
 from cluster.config import CacheConfig, EngineConfig, RoutingConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
@@ -236,16 +236,3 @@ def print_chaos(chaos: dict, ok: bool) -> None:
         print(f"{label:<44}{value!s:>16}")
     print("=" * 60)
     print("PASS: no client saw a fault, no block leaked" if ok else "FAIL: see failed / mismatched / leaked above")
-
-
-def add_chaos_flags(p) -> None:
-    add_serve_flags(p)
-    add_local_target_flags(p)
-    p.set_defaults(dtype="float32", local_model=None)  # float32: greedy text comparable with the offline run
-    p.add_argument("--target", default="1p2d", help="local configuration: '<P>p<D>d[:routing]' or 'colocated'")
-    p.add_argument("--kill", default="decode:SIGKILL@5s", help="TIER:SIGNAL@STARTs[/EVERYs],... (SIGKILL, SIGSTOP, SIGTERM)")
-    p.add_argument("--hang-s", type=float, default=10.0, help="a SIGSTOPped replica is continued after this long")
-    p.add_argument("--abort-ratio", type=float, default=0.0, help="fraction of requests the client drops mid-way")
-    p.add_argument("--migration-limit", type=int, default=RoutingConfig().migration_limit)
-    p.add_argument("--stall-timeout-s", type=float, default=5.0, help="a stream silent this long moves (SIGSTOP faults)")
-    p.add_argument("--idle-timeout-s", type=float, default=180.0, help="wait at most this long for the idle cluster")

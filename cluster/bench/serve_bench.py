@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import re
 import time
 from datetime import datetime
@@ -392,45 +391,3 @@ def run_serve_bench(args) -> int:
         for plot in plot_serve_result(result, path.with_suffix("")):
             print(f"wrote {plot}")
     return 0 if result["completed"] else 1
-
-
-def add_serve_flags(p) -> None:
-    """`vllm bench serve`'s flags (same names and meanings)."""
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
-    p.add_argument("--model", help="the model name the server serves (default: the first of /v1/models)")
-    p.add_argument("--tokenizer", help="model directory or .gguf file whose tokenizer to use (default: --model; "
-                   "the built-in model's file when the server serves it)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--dataset-name", choices=datasets.DATASETS, default="random")
-    p.add_argument("--dataset-path", help="ShareGPT JSON for sharegpt / multi_turn")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests (multi_turn: conversations)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1.0 is Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--num-warmups", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--random-prefix-len", type=int, default=0)
-    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    p.add_argument("--prefix-repetition-hot-fraction", type=float, default=0.0,
-                   help="pdserve: this fraction of the requests share the first prefix (skew); the rest cycle through all")
-    p.add_argument("--interference-rate", type=float, default=0.0,
-                   help="pdserve: also send long prompts at this rate (req/s) while the workload runs; not measured")
-    p.add_argument("--interference-input-len", type=int, default=1536)
-    p.add_argument("--interference-output-len", type=int, default=2)
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
-    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 25,50,99")
-    p.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--save-result", action="store_true", help="write the result JSON and PNG plots")
-    p.add_argument("--result-dir", default=None)
-    p.add_argument("--result-filename", default=None)
-    p.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="added to the result JSON")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--disable-tqdm", action="store_true")

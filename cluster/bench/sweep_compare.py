@@ -19,7 +19,6 @@ compare  runs the same workload against two targets, alternately for --rounds ro
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -36,7 +35,7 @@ from ray import serve
 from cluster.app import build_app
 from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
-from cluster.config import INGRESS_MODES, CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
+from cluster.config import CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
 from cluster.redis_server import PrivateRedis, free_port
 from cluster.serve_main import APP_NAME, on_this_machine, start_local_ray
 
@@ -207,32 +206,3 @@ def run_compare(args) -> int:
     plot = plot_compare((args.target_a, args.target_b), medians, out_dir / "compare.png")
     print(f"wrote {out_dir / 'compare.json'} and {plot}")
     return 0
-
-
-def add_sweep_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--request-rates", required=True, help="comma-separated, e.g. 0.5,1,2,4")
-    p.add_argument("--slo-ttft-ms", type=float, required=True)
-    p.add_argument("--slo-tpot-ms", type=float, required=True)
-    p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests that must meet both SLOs")
-
-
-def add_compare_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-a", required=True, help="URL, 'colocated[:routing]' or '<P>p<D>d[:routing]'")
-    p.add_argument("--target-b", required=True)
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
-    p.add_argument("--interference-only-b", action="store_true",
-                   help="send the --interference-* load to target B only (A = the same target alone, e.g. colocated vs colocated)")
-    add_local_target_flags(p)
-
-
-def add_local_target_flags(p: argparse.ArgumentParser) -> None:
-    """How local_cluster builds a local target's engines."""
-    p.add_argument("--local-model", help="model directory or .gguf file for local targets")
-    p.add_argument("--ingress", choices=INGRESS_MODES, default="auto", help="how clients reach local targets' gateways")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of local engines")
-    p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
-                   help="of local engines (0: prompt chunks are not capped while requests decode)")
-    p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")

@@ -30,8 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-SIZES = ("tiny", "small", "smollm2")
+from cluster.testing import ARCHS, SIZES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

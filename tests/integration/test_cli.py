@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+import sys
 
 import psutil
 
@@ -29,6 +30,25 @@ def test_make_model_then_generate_json_matches_engine(tmp_path):
     engine = Engine.from_pretrained(str(out), dtype="float32")
     done = engine.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert result["token_ids"] == done.token_ids and result["prompt_token_ids"] == done.prompt_token_ids
+
+
+def test_parsing_a_command_line_imports_neither_torch_nor_ray():
+    """`pdserve --help` and every subcommand's parser stay fast: each command's code, with
+    torch and Ray, is imported only when it runs."""
+    check = (
+        "import sys\n"
+        "from cluster.cli import build_parser\n"
+        "p = build_parser()\n"
+        "for argv in (['bench', 'compare', '--target-a', '1p1d', '--target-b', 'colocated'], ['bench', 'chaos'],"
+        " ['bench', 'engine', '--model', 'm'], ['serve'], ['status'], ['make-model', '--out', 'x']):\n"
+        "    p.parse_args(argv)\n"
+        "heavy = sorted(m for m in ('torch', 'ray', 'matplotlib', 'aiohttp') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    help_text = run("--help")
+    assert help_text.returncode == 0 and "bench" in help_text.stdout
 
 
 def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from cluster.bench import datasets
+from cluster.bench.flags import add_serve_flags
 from cluster.bench.openai_client import RequestResult
-from cluster.bench.serve_bench import add_serve_flags, arrival_times, goodput_slos, summarize, throughput_over_time
+from cluster.bench.serve_bench import arrival_times, goodput_slos, summarize, throughput_over_time
 from cluster.bench.sweep_compare import LocalTarget, attainment, local_target, parse_target
 from cluster.tokenizer import Tokenizer
 

@@ -1,0 +1,94 @@
+"""The `pdserve bench` subcommands' flags, apart from the code that runs them, so that
+parsing a command line (and `--help`) imports neither torch nor Ray."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cluster.bench.datasets import DATASETS
+from cluster.config import INGRESS_MODES, RoutingConfig, SchedulerConfig
+
+
+def add_serve_flags(p) -> None:
+    """`vllm bench serve`'s flags (same names and meanings)."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", help="the model name the server serves (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", help="model directory or .gguf file whose tokenizer to use (default: --model; "
+                   "the built-in model's file when the server serves it)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", help="ShareGPT JSON for sharegpt / multi_turn")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests (multi_turn: conversations)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1.0 is Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--prefix-repetition-hot-fraction", type=float, default=0.0,
+                   help="pdserve: this fraction of the requests share the first prefix (skew); the rest cycle through all")
+    p.add_argument("--interference-rate", type=float, default=0.0,
+                   help="pdserve: also send long prompts at this rate (req/s) while the workload runs; not measured")
+    p.add_argument("--interference-input-len", type=int, default=1536)
+    p.add_argument("--interference-output-len", type=int, default=2)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 25,50,99")
+    p.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--save-result", action="store_true", help="write the result JSON and PNG plots")
+    p.add_argument("--result-dir", default=None)
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="added to the result JSON")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_sweep_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--request-rates", required=True, help="comma-separated, e.g. 0.5,1,2,4")
+    p.add_argument("--slo-ttft-ms", type=float, required=True)
+    p.add_argument("--slo-tpot-ms", type=float, required=True)
+    p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests that must meet both SLOs")
+
+
+def add_compare_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-a", required=True, help="URL, 'colocated[:routing]' or '<P>p<D>d[:routing]'")
+    p.add_argument("--target-b", required=True)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
+    p.add_argument("--interference-only-b", action="store_true",
+                   help="send the --interference-* load to target B only (A = the same target alone, e.g. colocated vs colocated)")
+    add_local_target_flags(p)
+
+
+def add_local_target_flags(p: argparse.ArgumentParser) -> None:
+    """How local_cluster builds a local target's engines."""
+    p.add_argument("--local-model", help="model directory or .gguf file for local targets")
+    p.add_argument("--ingress", choices=INGRESS_MODES, default="auto", help="how clients reach local targets' gateways")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of local engines")
+    p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
+                   help="of local engines (0: prompt chunks are not capped while requests decode)")
+    p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")
+
+
+def add_chaos_flags(p) -> None:
+    add_serve_flags(p)
+    add_local_target_flags(p)
+    p.set_defaults(dtype="float32", local_model=None)  # float32: greedy text comparable with the offline run
+    p.add_argument("--target", default="1p2d", help="local configuration: '<P>p<D>d[:routing]' or 'colocated'")
+    p.add_argument("--kill", default="decode:SIGKILL@5s", help="TIER:SIGNAL@STARTs[/EVERYs],... (SIGKILL, SIGSTOP, SIGTERM)")
+    p.add_argument("--hang-s", type=float, default=10.0, help="a SIGSTOPped replica is continued after this long")
+    p.add_argument("--abort-ratio", type=float, default=0.0, help="fraction of requests the client drops mid-way")
+    p.add_argument("--migration-limit", type=int, default=RoutingConfig().migration_limit)
+    p.add_argument("--stall-timeout-s", type=float, default=5.0, help="a stream silent this long moves (SIGSTOP faults)")
+    p.add_argument("--idle-timeout-s", type=float, default=180.0, help="wait at most this long for the idle cluster")
