@@ -19,21 +19,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from cluster.config import INGRESS_MODES
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 
 # A gateway replica being stopped keeps serving this long before it closes its ports, so
 # that HAProxy's configuration drops it first (Serve's default is 30 s: every redeploy
 # and shutdown would wait that long). HAProxy retries a refused connection on another
 # replica, so a short window loses nothing.
 DRAINING_PERIOD_S = 2.0
-HAPROXY_PORTS = range(20000, 30000)  # for HAProxy's metrics and stats listeners (haproxy_port)
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 def resolve(mode: str) -> str:
@@ -57,38 +53,10 @@ def environment(mode: str, local: bool) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
     }
     if local:
-        metrics = haproxy_port()
+        metrics = free_port()
         env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(metrics)
-        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(haproxy_port(besides=metrics))
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port(besides=metrics))
     return env
-
-
-def haproxy_port(besides: int | None = None) -> int:
-    """A port free now on every interface, outside the range the OS hands out for bind(0):
-    Ray's processes take theirs from that range after we chose, and one once took the
-    port chosen for HAProxy first (in CI: a dashboard agent's; HAProxy then "cannot bind
-    socket", and the cluster had no ingress). Also clear of Ray's worker ports
-    (10002-19999) and of Serve's direct-ingress ports (from 30000)."""
-    low, high = ephemeral_ports()
-    candidates = [p for p in HAPROXY_PORTS if not low <= p <= high and p != besides]
-    random.shuffle(candidates)  # two clusters started together do not try the same ports
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        return port
-    return free_port()  # all taken: the OS's choice, as before
-
-
-def ephemeral_ports() -> tuple[int, int]:
-    try:
-        with open(EPHEMERAL_RANGE_FILE) as f:
-            low, high = map(int, f.read().split())
-    except (OSError, ValueError):  # not Linux: the IANA range
-        low, high = 49152, 65535
-    return low, high
 
 
 @contextmanager

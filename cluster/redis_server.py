@@ -10,12 +10,7 @@ import subprocess
 import time
 
 from cluster.lifetime import die_with_parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.ports import free_port
 
 
 class PrivateRedis:

@@ -25,7 +25,8 @@ from cluster.config import (
     TierConfig,
     TransportConfig,
 )
-from cluster.redis_server import PrivateRedis, free_port
+from cluster.ports import free_port
+from cluster.redis_server import PrivateRedis
 from cluster.serve_main import start_local_ray
 
 API_KEY = "sk-test-0123456789"

@@ -18,7 +18,7 @@ from cluster import engine_cores
 from cluster.ingress import resolve
 from cluster.lifetime import POLL_S
 from cluster.openmp import usable_cpus, waiting_env
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.serve_main import port_free
 from tests.helpers import PDSERVE
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from cluster import ingress
+from cluster import ingress, ports
 from cluster.cli import build_parser
 from cluster.config import ClusterConfig, from_dict
 from cluster.serve_main import config_from_args
@@ -47,17 +47,20 @@ def test_ingress_flag_and_its_ray_settings():
     assert "RAY_SERVE_HAPROXY_METRICS_PORT" not in ingress.environment("direct", local=False)
 
 
-def test_haproxy_ports_are_free_and_never_ones_the_os_hands_out():
-    """Ray's processes take their ports from the OS's bind(0) range after these are chosen."""
-    low, high = ingress.ephemeral_ports()
+def test_chosen_ports_are_free_and_never_ones_the_os_hands_out():
+    """Ray's processes take their ports from the OS's bind(0) range after these are chosen:
+    HAProxy's, and those free_port gives a redis-server or a test's `pdserve serve`."""
+    low, high = ports.ephemeral_ports()
     for _ in range(20):
         env = ingress.environment("direct", local=True)
         metrics, stats = int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]), int(env["RAY_SERVE_HAPROXY_STATS_PORT"])
         assert metrics != stats
         for port in (metrics, stats):
-            assert port in ingress.HAPROXY_PORTS and not low <= port <= high
+            assert port in ports.SAFE_PORTS and not low <= port <= high
             with socket.socket() as s:
                 s.bind(("0.0.0.0", port))  # free on every interface, as HAProxy binds it
+    chosen = {ports.free_port() for _ in range(20)}
+    assert all(p in ports.SAFE_PORTS and not low <= p <= high for p in chosen) and len(chosen) > 1
 
 
 def test_ingress_settings_last_only_while_a_local_ray_starts(monkeypatch):
