@@ -21,15 +21,24 @@ def free_port(besides: int | None = None) -> int:
     candidates = [p for p in SAFE_PORTS if not low <= p <= high and p != besides]
     random.shuffle(candidates)  # two clusters (or tests) started together do not try the same ports
     for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        return port
+        if port_free("0.0.0.0", port):
+            return port
     with socket.socket() as s:  # all taken: the OS's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on (host, port) now: no socket listens there. Bound as
+    the servers bind (HAProxy, uvicorn and gRPC set SO_REUSEADDR), so that the connections
+    of a server just stopped, in TIME_WAIT for a minute, do not count."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def ephemeral_ports() -> tuple[int, int]:

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from cluster.model.families import parse_arch
 from cluster.model.loader import open_checkpoint, resolve_dtype
 from cluster.model.sharding import check_divisible, shard_of
 from cluster.openmp import usable_cpus, waiting_env
+from cluster.ports import port_free
 from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
 from router.auth import load_api_keys
@@ -76,19 +76,6 @@ def check_model(config: ClusterConfig, on_a_remote_cluster: bool) -> None:
 
 class ServeStartError(RuntimeError):
     """The application did not start (its replicas' own errors are in Ray's log)."""
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether a server could listen on (host, port) now: no socket listens there. Bound as
-    the servers bind (HAProxy, uvicorn and gRPC set SO_REUSEADDR), so that the connections
-    of a server just stopped, in TIME_WAIT for a minute, do not count."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def cpus_requested(config) -> float:

@@ -283,6 +283,8 @@ class Scheduler:
         delay both first tokens)."""
         longest = max((r.num_tokens - r.num_computed_tokens for r in self.running
                        if r.num_computed_tokens < r.num_tokens - 1), default=0)
+        if not longest:  # no prompt in progress: no prefix lookups on the step's path
+            return 0
         tokens = 0
         for admitted, request in enumerate(self.waiting, start=len(self.running)):
             if tokens >= limit or admitted >= self.config.max_num_seqs:

@@ -18,8 +18,7 @@ from cluster import engine_cores
 from cluster.ingress import resolve
 from cluster.lifetime import POLL_S
 from cluster.openmp import usable_cpus, waiting_env
-from cluster.ports import free_port
-from cluster.serve_main import port_free
+from cluster.ports import free_port, port_free
 from tests.helpers import PDSERVE
 
 
