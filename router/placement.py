@@ -29,7 +29,12 @@ entries are dropped as soon as this gateway sees it go).
 A worker's load is its requests queued and running, and its queued prompt tokens: the
 index's figures (every gateway's work, as of the worker's last publish) or this gateway's
 own count of what it sent there and is not done, whichever is larger, so a burst from
-this gateway counts before the index sees it, without counting it twice.
+this gateway counts before the index sees it, without counting it twice. A worker that
+computes prompts has its cache read the same way: the blocks the index lists there, or
+those of the prompts this gateway sent there to compute and that have no first token yet,
+whichever covers more of the prompt. So a burst of one new prefix goes where its first
+request computes it, and the engine there computes it once (cluster/engine/scheduler.py),
+instead of every replica computing it at the same time.
 
 Load beats affinity (kv_aware and prefix_hash): when the worker that affinity picked
 carries more than `load_margin` requests over the least-loaded worker of its tier, the
@@ -76,6 +81,7 @@ class Placement:
     decode_worker: str | None = None
     fallback: str | None = None  # why kv_aware was not used
     local_prefill: bool = False  # the decode worker computes the prompt (computes_locally)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # the prompt's reusable blocks (kv_aware)
 
 
 @dataclass(frozen=True)
@@ -92,15 +98,41 @@ class Candidate:
 
 class InFlight:
     """This gateway's own work on each worker, from placement until done: prompts until
-    their first token (the prefill work), requests until they finish."""
+    their first token (the prefill work, and the blocks it computes: then the worker
+    publishes them to the index), requests until they finish."""
 
     def __init__(self) -> None:
         self.prefill_tokens: Counter[str] = Counter()
         self.prefilling: Counter[str] = Counter()
         self.decoding: Counter[str] = Counter()
+        self.blocks: dict[str, Counter[BlockHash]] = {}  # worker -> blocks of the prompts it computes
 
     def requests(self, worker: str, tier: str) -> int:
         return self.prefilling[worker] if tier == "prefill" else self.decoding[worker]
+
+    def hit_blocks(self, worker: str, hashes: list[BlockHash]) -> int:
+        """How many leading blocks of a prompt the prompts this gateway has `worker`
+        computing cover."""
+        held = self.blocks.get(worker)
+        if not held:
+            return 0
+        n = 0
+        while n < len(hashes) and hashes[n] in held:  # chain hashes: a hit names its whole prefix
+            n += 1
+        return n
+
+    def add_blocks(self, worker: str, hashes: list[BlockHash]) -> None:
+        if hashes:
+            self.blocks.setdefault(worker, Counter()).update(hashes)
+
+    def remove_blocks(self, worker: str, hashes: list[BlockHash]) -> None:
+        if not hashes:
+            return
+        held = self.blocks[worker]
+        held.subtract(hashes)
+        _drop_zeros(held)
+        if not held:
+            del self.blocks[worker]
 
 
 class Placer:
@@ -152,14 +184,16 @@ class Placer:
             views, reason = await self._lookup(hashes)
             if reason:
                 self.metrics.route_fallbacks.labels(reason).inc()
-        tiers = {"decode": self._candidates("decode", views, avoid)}
+        tiers = {"decode": self._candidates("decode", views, avoid, hashes)}
         if not self.colocated:
-            tiers["prefill"] = self._candidates("prefill", views, avoid)
+            tiers["prefill"] = self._candidates("prefill", views, avoid, hashes)
         if any(not c for c in tiers.values()):  # Serve's replica set not known here yet
             hint = RouteHint(affinity_key=affinity)
             return Placement(decode=hint, prefill=hint, fallback=reason)
         if policy == "kv_aware" and not reason:
-            return self._kv_aware(len(prompt_ids), len(hashes), affinity, tiers)
+            placement = self._kv_aware(len(prompt_ids), len(hashes), affinity, tiers)
+            placement.block_hashes = hashes
+            return placement
         placement = self._sticky(len(prompt_ids), affinity, tiers)
         placement.fallback = reason
         return placement
@@ -181,9 +215,14 @@ class Placer:
             return views, "index_empty"
         return views, None
 
-    def _candidates(self, tier: str, views: list[WorkerView], avoid: frozenset[str] = frozenset()) -> list[Candidate]:
+    def _candidates(self, tier: str, views: list[WorkerView], avoid: frozenset[str] = frozenset(),
+                    hashes: list[BlockHash] = ()) -> list[Candidate]:
         """The tier's workers Serve routes to, each with the index's view of it (an empty
-        one for a replica the index does not list yet) and this gateway's own load on it."""
+        one for a replica the index does not list yet) and this gateway's own load there;
+        where the tier computes prompts, also the blocks of those this gateway sent there.
+        (Not a disaggregated decode worker's: a prompt's KV lands there only after its
+        transfer, and a prompt computed there must not count on it.)"""
+        computes = tier == "prefill" or self.colocated
         indexed = {v.replica: v for v in views if v.tier == tier}
         live = self.live(TIER_DEPLOYMENTS[tier])
         if live is not None:
@@ -199,7 +238,7 @@ class Placer:
             out.append(Candidate(
                 worker_id=wid,
                 replica=replica,
-                hit_blocks=v.hit_blocks,
+                hit_blocks=max(v.hit_blocks, self.in_flight.hit_blocks(wid, hashes) if computes else 0),
                 queued_tokens=max(v.queued_tokens, pending_tokens),
                 requests=max(v.requests, self.in_flight.requests(wid, tier)),
                 kv_usage=v.kv_usage,
@@ -292,14 +331,17 @@ class Placer:
         if placement.prefill_worker:
             self.in_flight.prefill_tokens[placement.prefill_worker] += placement.prefill_tokens
             self.in_flight.prefilling[placement.prefill_worker] += 1
+            self.in_flight.add_blocks(placement.prefill_worker, placement.block_hashes)
         if placement.decode_worker:
             self.in_flight.decoding[placement.decode_worker] += 1
 
     def first_token(self, placement: Placement) -> None:
+        """The prompt is computed: its prefill worker publishes its blocks to the index."""
         if placement.prefill_worker:
             self.in_flight.prefill_tokens[placement.prefill_worker] -= placement.prefill_tokens
             self.in_flight.prefilling[placement.prefill_worker] -= 1
             _drop_zeros(self.in_flight.prefill_tokens, self.in_flight.prefilling)
+            self.in_flight.remove_blocks(placement.prefill_worker, placement.block_hashes)
             placement.prefill_worker = None
 
     def finished(self, placement: Placement) -> None:

@@ -14,7 +14,9 @@ One step:
      out, the most recently admitted running request is preempted (blocks freed,
      progress reset to zero, put back at the front of the waiting queue) until it fits.
   2. If nothing was preempted, waiting requests are admitted in FCFS order while
-     budget, `max_num_seqs` and blocks allow, starting from their cached prefix.
+     budget, `max_num_seqs` and blocks allow, starting from their cached prefix. One
+     whose next block a prompt in progress is computing waits for it (a burst of one
+     prefix computes it once, then each request its own suffix); those behind go on.
 A request whose prompt is longer than the remaining budget is prefilled in chunks
 across steps, interleaved with the decodes of other requests.
 """
@@ -25,8 +27,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
-from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.kv_cache_manager import KVCacheManager, num_reusable_blocks
 from cluster.engine.request import Request, RequestStatus
+from cluster.kv.hashing import BlockHash
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         prompt_left = budget if prompt_budget is None else prompt_budget
-        in_progress_left = prompt_left - self._room_for_shorter_waiting(prompt_left // 2)
+        computing = self._blocks_in_progress()
+        in_progress_left = prompt_left - self._room_for_shorter_waiting(prompt_left // 2, computing)
         decodes_left = self.num_decoding  # a prompt chunk leaves their token to the decodes after it
         scheduled: list[Request] = []
 
@@ -239,17 +243,22 @@ class Scheduler:
                 in_progress_left -= 0 if decoding else n
                 i += 1
 
+        passed_over: list[Request] = []  # waiting for a prefix in progress: keep their place
         while self.waiting and budget > 0 and prompt_left > 0 and not out.preempted_request_ids:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
             cached_blocks, num_cached = self.kv.cached_prefix(request)
+            if self._waits_for_prefix(request, num_cached, computing):
+                passed_over.append(self.waiting.popleft())
+                continue
             request.num_computed_tokens = num_cached
             n = min(self._chunk_size(request, budget), prompt_left)
             if not self.kv.allocate_slots(request, n, cached_blocks):
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            computing.update(request.block_hashes[num_cached // self.kv.block_size :])
             request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
             if request.status == RequestStatus.WAITING:
                 out.new_request_ids.append(request.request_id)
@@ -260,6 +269,7 @@ class Scheduler:
             scheduled.append(request)
             budget -= n
             prompt_left -= n
+        self.waiting.extendleft(reversed(passed_over))
 
         for request in scheduled:
             n = out.num_scheduled_tokens[request.request_id]
@@ -275,12 +285,32 @@ class Scheduler:
             )
         return out
 
-    def _room_for_shorter_waiting(self, limit: int) -> int:
+    def _blocks_in_progress(self) -> set[BlockHash]:
+        """The hashes of the blocks that prompts in progress have yet to compute (each is
+        cached once its step ends). Empty when no prompt is in progress: no hashing on a
+        decode-only step's path."""
+        computing: set[BlockHash] = set()
+        for r in self.running:
+            if r.num_computed_tokens < r.num_tokens - 1:
+                computing.update(r.block_hashes[r.num_computed_tokens // self.kv.block_size :])
+        return computing
+
+    def _waits_for_prefix(self, request: Request, num_cached: int, computing: set[BlockHash]) -> bool:
+        """Whether the request's next reusable block is being computed by a prompt in
+        progress: computing it again would cost the same tokens the other is spending, and
+        once cached it is free."""
+        if not computing:
+            return False
+        next_block = num_cached // self.kv.block_size
+        reusable = num_reusable_blocks(request.num_tokens, self.kv.block_size)
+        return next_block < reusable and request.block_hashes[next_block] in computing
+
+    def _room_for_shorter_waiting(self, limit: int, computing: set[BlockHash]) -> int:
         """Prompt tokens (at most `limit`) the prompts in progress leave to the waiting
         requests that, in FCFS order, each have fewer tokens to compute than one in progress
         has left: a short prompt is not blocked behind a long one's every chunk, while a
         long one still waits its turn instead of sharing steps with the first (which would
-        delay both first tokens)."""
+        delay both first tokens). Requests waiting for a prefix in progress are passed over."""
         longest = max((r.num_tokens - r.num_computed_tokens for r in self.running
                        if r.num_computed_tokens < r.num_tokens - 1), default=0)
         if not longest:  # no prompt in progress: no prefix lookups on the step's path
@@ -289,7 +319,10 @@ class Scheduler:
         for admitted, request in enumerate(self.waiting, start=len(self.running)):
             if tokens >= limit or admitted >= self.config.max_num_seqs:
                 break
-            need = request.num_tokens - self.kv.cached_prefix(request)[1]
+            num_cached = self.kv.cached_prefix(request)[1]
+            if self._waits_for_prefix(request, num_cached, computing):
+                continue
+            need = request.num_tokens - num_cached
             if need >= longest:
                 break
             tokens += need

@@ -187,3 +187,32 @@ def test_a_short_prompt_behind_a_long_one_gets_its_first_token_first(tiny_llama)
     assert tokens == {long_id: alone[long_prompt], short_id: alone[short_prompt]}
     engine.check_integrity()
     assert engine.pool.num_used_blocks == 0
+
+
+def test_a_burst_of_one_prefix_computes_it_once_and_changes_no_token(tiny_llama):
+    """Prompts that share a prefix, added together, in a step budget that holds them all:
+    the first computes the prefix, the others wait for its blocks and compute only their
+    own suffixes, and each gets the tokens it gets alone."""
+    def build(caching: bool) -> Engine:
+        return Engine.from_pretrained(
+            str(tiny_llama), dtype="float32", max_model_len=512,
+            cache=CacheConfig(block_size=8, num_blocks=256, enable_prefix_caching=caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512),
+        )
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefix = "a system prompt every user of this app sends first " * 4
+    prompts = [prefix + f"then question number {i}" for i in range(3)]
+    alone = [out.token_ids for out in build(caching=False).generate(prompts, greedy)]
+    engine = build(caching=True)
+    ids = [engine.add_request(p, greedy) for p in prompts]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens[i] for i in ids] == alone
+    token_ids = [engine.inputs.process(p, greedy) for p in prompts]
+    shared = next(n for n in range(len(token_ids[0])) if len({tuple(t[: n + 1]) for t in token_ids}) > 1)
+    assert shared >= 40  # the test means something: a prefix of whole blocks
+    assert engine.scheduler.prefix_hit_tokens == 2 * (shared // 8 * 8)  # the 2nd and 3rd each hit it
+    engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0

@@ -56,11 +56,17 @@ def publish(url, *workers_args):
     return asyncio.run(go())
 
 
-def place(p, n=1):
+def distinct(i: int) -> list[int]:
+    """A prompt as long as PROMPT that shares no block with it or with distinct(j != i)."""
+    return [t + 10_000 * (i + 1) for t in PROMPT]
+
+
+def place(p, n=1, prompts=None):
+    """Place n prompts (PROMPT each, unless `prompts(i)` says), each running once placed."""
     async def go():
         out = []
-        for _ in range(n):
-            out.append(await p.place(PROMPT))
+        for i in range(n):
+            out.append(await p.place(prompts(i) if prompts else PROMPT))
             p.started(out[-1])  # placed and running: this gateway counts it
         return out
     return asyncio.run(go())
@@ -181,7 +187,7 @@ def test_a_prompt_goes_to_its_decode_worker_when_the_prefill_queue_would_start_i
     decodes), prompts are computed where they decode; both tiers then share the burst."""
     publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
     p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=512)
-    placements = place(p, 12)
+    placements = place(p, 12, prompts=distinct)  # one prompt 12 times would be computed once
     local = [pl.local_prefill for pl in placements]
     n = len(PROMPT)
     assert local[:3] == [False, False, False]  # queue 0, n, 2n: not more than 2 x n
@@ -202,3 +208,34 @@ def test_a_prompt_longer_than_the_local_cap_always_goes_to_the_prefill_tier(redi
     p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=max_local)
     assert not any(pl.local_prefill for pl in place(p, 12))
     assert metrics.local_prefills._value.get() == 0
+
+
+def test_a_burst_of_a_new_prefix_goes_where_its_first_prompt_is_computing(redis_url):
+    """Before any worker has published the prefix, the prompts this gateway sent to compute
+    it count as that worker's cache: the burst lands there and its engine computes the
+    prefix once (the scheduler waits for it), while a prompt with another prefix goes to the
+    shorter queue. After the first token the index is the worker's word again."""
+    publish(redis_url, ("prefill", "p1", {}), ("prefill", "p2", {}), ("decode", "d1", {}))
+    p, metrics = placer(redis_url, {"prefill": {"p1", "p2"}, "decode": {"d1"}})
+    prompts = [PROMPT, distinct(0), PROMPT, PROMPT, PROMPT]
+    placements = place(p, len(prompts), prompts=lambda i: prompts[i])
+    first = placements[0].prefill.replica
+    other = ({"p1", "p2"} - {first}).pop()
+    assert [pl.prefill.replica for pl in placements] == [first, other, first, first, first]
+    suffix = len(PROMPT) - len(HASHES) * BS  # the tokens its cache cannot hold
+    assert [pl.predicted_hits[("prefill", f"prefill-{first}")] for pl in placements[2:]] == [len(HASHES) * BS] * 3
+    assert p.in_flight.prefill_tokens[f"prefill-{first}"] == len(PROMPT) + 3 * suffix
+    for pl in placements:
+        p.first_token(pl)
+    assert not p.in_flight.blocks  # every prompt computed: nothing predicted from this gateway
+
+
+def test_a_decode_worker_does_not_count_the_kv_it_is_still_to_receive(redis_url):
+    """Disaggregated, a prompt's KV reaches its decode worker only after the transfer: a
+    second prompt of the same prefix placed meanwhile must not be computed there (local
+    prefill) as if the prefix were cached."""
+    publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
+    p, _ = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=512)
+    placements = place(p, 4)
+    assert not any(pl.local_prefill for pl in placements)
+    assert all(pl.predicted_hits[("decode", "decode-d1")] == 0 for pl in placements)

@@ -190,3 +190,54 @@ def test_no_room_is_left_for_a_waiting_prompt_that_cannot_be_admitted():
     s.add_request(req("short", 4, start=100))
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == {"long": 16}  # max_num_seqs: it could not start anyway
+
+
+def shared(rid, prefix_len, suffix_len, suffix_start, **kw):
+    """A prompt of `prefix_len` tokens every such request shares, then its own suffix."""
+    tokens = list(range(prefix_len)) + list(range(suffix_start, suffix_start + suffix_len))
+    return Request(rid, tokens, SamplingParams(max_tokens=kw.pop("max_tokens", 4), **kw), eos_token_ids=frozenset({2}))
+
+
+def test_a_burst_of_one_prefix_computes_it_once():
+    s = make(num_blocks=64, budget=32)
+    for i, rid in enumerate("abc"):
+        s.add_request(shared(rid, 24, 4, 100 + 10 * i))
+    out, _ = run_step(s)
+    # b and c would compute the same 24 tokens again beside a: they wait for a's blocks.
+    assert out.num_scheduled_tokens == {"a": 28}
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    out, _ = run_step(s)
+    # The prefix is cached now (6 blocks): each computes its own suffix only.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4, "c": 4}
+    assert {c.request_id: c.start_pos for c in out.chunks} == {"a": 28, "b": 24, "c": 24}
+    assert s.prefix_hit_tokens == 48
+
+
+def test_a_request_waiting_for_a_prefix_in_progress_does_not_hold_back_the_others():
+    s = make(num_blocks=64, budget=16)
+    s.add_request(shared("a", 24, 4, 100))
+    s.add_request(shared("b", 24, 4, 110))
+    s.add_request(req("other", 6, start=200))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 16}
+    out, _ = run_step(s)
+    # b waits for a's blocks 4-5; "other", behind it, starts in the room a prompt in
+    # progress leaves to a shorter one, and the queue keeps b ahead of anything later.
+    assert out.num_scheduled_tokens == {"a": 10, "other": 6}
+    assert [r.request_id for r in s.waiting] == ["b"]
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 2, "other": 1, "b": 4}  # b from the cached 24 tokens
+    assert next(c for c in out.chunks if c.request_id == "b").start_pos == 24
+
+
+def test_a_prefix_in_progress_that_is_aborted_lets_its_waiters_compute_it():
+    s = make(num_blocks=64, budget=16)
+    s.add_request(shared("a", 24, 4, 100))
+    s.add_request(shared("b", 24, 4, 110))
+    run_step(s)
+    assert [r.request_id for r in s.waiting] == ["b"]
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    out, _ = run_step(s)
+    # a's 4 computed blocks stayed cached; b computes the rest itself, no one to wait for.
+    assert out.num_scheduled_tokens == {"b": 12}
+    assert out.chunks[0].start_pos == 16
