@@ -66,15 +66,22 @@ def run_sweep(args) -> int:
     passing = [p["request_rate"] for p in points if p["attainment"] >= args.attainment]
     best = max(passing) if passing else None
     print(f"highest rate with >= {args.attainment:.0%} SLO attainment: {best if best is not None else 'none of the rates'}")
-    out_dir = Path(args.result_dir or ".")
-    out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "attainment_target": args.attainment,
                "max_rate_meeting_slo": best, "points": points, "dataset_name": args.dataset_name}
-    (out_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
-    plot = plot_attainment(rates, [p["attainment"] for p in points], args.attainment, out_dir / "sweep-attainment.png",
+    path = summary_path(args, "sweep.json")
+    path.write_text(json.dumps(summary, indent=2))
+    plot = plot_attainment(rates, [p["attainment"] for p in points], args.attainment, path.with_name(f"{path.stem}-attainment.png"),
                            f"SLO attainment: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
-    print(f"wrote {out_dir / 'sweep.json'} and {plot}")
+    print(f"wrote {path} and {plot}")
     return 0
+
+
+def summary_path(args, default_name: str) -> Path:
+    """Where a sweep or a comparison writes its JSON (its plot beside it, named after it):
+    --result-dir / --result-filename, or default_name there."""
+    out_dir = Path(args.result_dir or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / (args.result_filename or default_name)
 
 
 # ---- compare -----------------------------------------------------------------------------
@@ -197,13 +204,12 @@ def run_compare(args) -> int:
         server = runs[label][-1].get("server_metrics")
         if server:
             print(f"{label} server metrics (last round): " + ", ".join(f"{k}={v:.3g}" for k, v in server.items()))
-    out_dir = Path(args.result_dir or ".")
-    out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"A": args.target_a, "B": args.target_b, "rounds": args.rounds, "medians": medians,
                "ratios_b_over_a": {k: (b / a if a else None) for k, (a, b) in medians.items()},
                "runs": {label: [{k: r[k] for k in (*COMPARED, "completed", "failed", "server_metrics")} for r in rs]
                         for label, rs in runs.items()}}
-    (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
-    plot = plot_compare((args.target_a, args.target_b), medians, out_dir / "compare.png")
-    print(f"wrote {out_dir / 'compare.json'} and {plot}")
+    path = summary_path(args, "compare.json")
+    path.write_text(json.dumps(summary, indent=2))
+    plot = plot_compare((args.target_a, args.target_b), medians, path.with_suffix(".png"))
+    print(f"wrote {path} and {plot}")
     return 0

@@ -91,9 +91,10 @@ def test_compare_two_urls_reports_ratios(live, engine_config, tmp_path):
         "bench", "compare", "--target-a", live.http_url, "--target-b", live.http_url, "--rounds", "1",
         "--model", MODEL_NAME, "--tokenizer", engine_config.model, "--api-key", API_KEY, "--num-prompts", "4",
         "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos", "--disable-tqdm", "--result-dir", str(tmp_path),
+        "--result-filename", "a-vs-b.json",  # named: runs side by side in one directory keep their own results
     ])
     assert args.fn(args) == 0
-    compare = json.loads((tmp_path / "compare.json").read_text())
+    compare = json.loads((tmp_path / "a-vs-b.json").read_text())
     assert set(compare["ratios_b_over_a"]) >= {"output_throughput", "median_ttft_ms", "p99_itl_ms"}
     assert all(r["completed"] == 4 for label in ("A", "B") for r in compare["runs"][label])
-    assert (tmp_path / "compare.png").exists()
+    assert (tmp_path / "a-vs-b.png").exists() and not (tmp_path / "compare.json").exists()
