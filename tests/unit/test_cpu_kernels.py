@@ -186,9 +186,10 @@ def test_store_kv_equals_reference(src_dtype, cache_dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 # Query heads per KV head 1 to 16 (the kernel takes them 4 at a time, and up to 16 in one AMX
 # tile); blocks of one 16-row group, of several (64), and smaller (8); dims a multiple of a
-# tile (64, 128) or not (80: vector and scalar tails on every ISA).
+# tile (64, 128), three 32-dim chunks (96: the bf16 value pass walks two, then one) or not a
+# multiple of 32 (80: vector and scalar tails on every ISA).
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (9, 3), (4, 1), (12, 2), (16, 1)])
-@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 8), (64, 64), (80, 32)])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 8), (96, 16), (64, 64), (80, 32)])
 def test_paged_attention_matches_naive(dtype, num_q_heads, num_kv_heads, head_dim, block_size):
     # NaN everywhere but the live rows, and NaN blocks as table padding: any stray read shows.
     args = _paged_setup([1, 17, 40, 0], num_q_heads, num_kv_heads, head_dim, block_size, dtype, "nan_blocks")
