@@ -36,8 +36,7 @@ When (`plan`, by `--engine-cores`):
 Nothing is bound otherwise, nor on GPU: a yielding prefill engine beside decode engines
 that fill every core would starve.
 
-An engine thread that does not yield, when it is not the process's main thread (a worker's
-engine runs on a thread of its own), runs at nice ENGINE_NICE (where the process may raise
+An engine thread that does not yield runs at nice ENGINE_NICE (where the process may raise
 its priority: as root, or within RLIMIT_NICE; elsewhere it stays as it was), and the threads
 it starts (its OpenMP team) with it. A step delayed by the gateway, HAProxy or Ray's
 processes delays every request it carries; those get their CPU a moment later, not less of
@@ -152,8 +151,8 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
                         lock_dir: str = LOCK_DIR) -> EngineThreadPlacement:
     """On an engine thread, before its first parallel op (threads it starts inherit both):
     with $PDSERVE_ENGINE_CORES, claim `threads` of those cores and run on them (if too few
-    are free, stay unbound); with $PDSERVE_ENGINE_YIELDS, run at SCHED_IDLE, otherwise, off
-    the main thread, at nice ENGINE_NICE where permitted. Off CPU nothing changes."""
+    are free, stay unbound); with $PDSERVE_ENGINE_YIELDS, run at SCHED_IDLE, otherwise at
+    nice ENGINE_NICE where permitted. Off CPU nothing changes."""
     environ = os.environ if environ is None else environ
     placement = EngineThreadPlacement()
     if device != "cpu":
@@ -167,9 +166,7 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
     if environ.get(YIELDS_ENV) == "1":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
         placement.yields = True
-    elif threading.current_thread() is not threading.main_thread():
-        # Not a main thread's: every process it starts would inherit it (a test runner
-        # starting Ray), and an engine there is an offline run, with no control path beside.
+    else:
         placement.nice = _go_before_the_control_path()
     return placement
 
