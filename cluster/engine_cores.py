@@ -1,5 +1,4 @@
-"""Decode engines on cores of their own; prefill engines yield to everything else; every
-other engine goes before the control path.
+"""Decode engines on cores of their own; prefill engines yield to everything else.
 
 A decode step is short and every ITL is one. On a host where a prefill engine computes
 long prompts beside it, the scheduler put the gateway, HAProxy, Ray's processes and the
@@ -35,15 +34,6 @@ When (`plan`, by `--engine-cores`):
   shared  never.
 Nothing is bound otherwise, nor on GPU: a yielding prefill engine beside decode engines
 that fill every core would starve.
-
-An engine thread that does not yield runs at nice ENGINE_NICE (where the process may raise
-its priority: as root, or within RLIMIT_NICE; elsewhere it stays as it was), and the threads
-it starts (its OpenMP team) with it. A step delayed by the gateway, HAProxy or Ray's
-processes delays every request it carries; those get their CPU a moment later, not less of
-it (they are light: under 25% of one core at concurrency 16 on 2 cores). Served, 2 colocated
-replicas x 1 thread on 2 cores (AMD EPYC), each engine thread had waited 13-15% of the time
-for its core, preempted ~700 times a second; at nice -5: 1.04x the output tok/s at
-concurrency 16 (3 alternating rounds, each ahead), the same TTFT and TPOT at concurrency 1.
 """
 
 from __future__ import annotations
@@ -52,7 +42,6 @@ import fcntl
 import logging
 import os
 import tempfile
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -61,7 +50,6 @@ log = logging.getLogger(__name__)
 
 CORES_ENV = "PDSERVE_ENGINE_CORES"  # "2,3": the cores this host's decode engines claim from
 YIELDS_ENV = "PDSERVE_ENGINE_YIELDS"  # "1": this engine's threads run at SCHED_IDLE
-ENGINE_NICE = -5  # of an engine thread that does not yield: ahead of the control path, not absolute
 LOCK_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 HOST_CORES = tuple(sorted(os.sched_getaffinity(0)))
 
@@ -132,7 +120,6 @@ class EngineThreadPlacement:
 
     claim: CoreClaim | None = None
     yields: bool = False
-    nice: int | None = None  # the thread's nice value, if place_engine_thread set it
 
     @property
     def cores(self) -> list[int] | None:
@@ -140,7 +127,7 @@ class EngineThreadPlacement:
 
     def info(self) -> dict:
         """What a rank reports of it in `pdserve status`."""
-        return {"cores": self.cores, "yields": self.yields, "nice": self.nice}
+        return {"cores": self.cores, "yields": self.yields}
 
     def release(self) -> None:
         if self.claim is not None:
@@ -151,8 +138,8 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
                         lock_dir: str = LOCK_DIR) -> EngineThreadPlacement:
     """On an engine thread, before its first parallel op (threads it starts inherit both):
     with $PDSERVE_ENGINE_CORES, claim `threads` of those cores and run on them (if too few
-    are free, stay unbound); with $PDSERVE_ENGINE_YIELDS, run at SCHED_IDLE, otherwise at
-    nice ENGINE_NICE where permitted. Off CPU nothing changes."""
+    are free, stay unbound); with $PDSERVE_ENGINE_YIELDS, run at SCHED_IDLE. Without
+    either, or off CPU, nothing changes."""
     environ = os.environ if environ is None else environ
     placement = EngineThreadPlacement()
     if device != "cpu":
@@ -166,21 +153,4 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
     if environ.get(YIELDS_ENV) == "1":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
         placement.yields = True
-    else:
-        placement.nice = _go_before_the_control_path()
     return placement
-
-
-def _go_before_the_control_path() -> int | None:
-    """The calling thread at nice ENGINE_NICE, unless it is there or higher already: its nice
-    value, or None where the process may not raise it."""
-    thread = threading.get_native_id()  # Linux: a nice value is a thread's, not the process's
-    if os.getpriority(os.PRIO_PROCESS, thread) <= ENGINE_NICE:
-        return os.getpriority(os.PRIO_PROCESS, thread)
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, ENGINE_NICE)
-    except PermissionError:
-        log.info("engine thread stays at nice %d: raising it to %d is not permitted here",
-                 os.getpriority(os.PRIO_PROCESS, thread), ENGINE_NICE)
-        return None
-    return ENGINE_NICE

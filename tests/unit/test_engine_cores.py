@@ -10,16 +10,7 @@ import threading
 import pytest
 
 from cluster.config import ClusterConfig, EngineConfig, TierConfig
-from cluster.engine_cores import (
-    CORES_ENV,
-    ENGINE_NICE,
-    HOST_CORES,
-    YIELDS_ENV,
-    CorePlan,
-    claim_cores,
-    place_engine_thread,
-    plan,
-)
+from cluster.engine_cores import CORES_ENV, HOST_CORES, YIELDS_ENV, CorePlan, claim_cores, place_engine_thread, plan
 from cluster.serve_main import engine_cores_of, on_this_machine
 
 several_cores = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores")
@@ -105,47 +96,18 @@ def test_a_prefill_engine_thread_yields_and_so_do_the_threads_it_starts(tmp_path
         return placement, os.sched_getscheduler(0), team, os.sched_getaffinity(0)
 
     placement, policy, team, cores = _in_thread(engine_thread)
-    assert placement.yields and placement.cores is None and placement.nice is None  # SCHED_IDLE is below any nice
+    assert placement.yields and placement.cores is None
     assert policy == team == os.SCHED_IDLE
     assert cores == set(HOST_CORES)  # on every core
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # only that thread
 
 
-def _nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-def test_without_the_variables_an_engine_thread_runs_anywhere_ahead_of_the_control_path(tmp_path):
-    before = _nice()
-
-    def engine_thread():
-        placement = place_engine_thread(1, environ={}, lock_dir=str(tmp_path))
-        return placement, os.sched_getaffinity(0), os.sched_getscheduler(0), _nice(), _in_thread(_nice)
-
-    placement, cores, policy, nice, team = _in_thread(engine_thread)
+def test_without_the_variables_an_engine_thread_stays_as_it_was(tmp_path):
+    placement, cores, policy = _in_thread(
+        lambda: (place_engine_thread(1, environ={}, lock_dir=str(tmp_path)), os.sched_getaffinity(0), os.sched_getscheduler(0)))
     assert (placement.cores, placement.yields, cores, policy) == (None, False, set(HOST_CORES), os.SCHED_OTHER)
-    if placement.nice is None:  # this process may not raise a thread's priority: all stays as it was
-        assert nice == team == before
-    else:
-        assert placement.nice == nice == team == min(ENGINE_NICE, before)  # its OpenMP team's threads too
-    assert _nice() == before  # only that thread
     on_gpu = place_engine_thread(1, "cuda", environ={CORES_ENV: str(HOST_CORES[-1]), YIELDS_ENV: "1"}, lock_dir=str(tmp_path))
-    assert on_gpu.info() == {"cores": None, "yields": False, "nice": None}  # the GPU's host threads are left alone
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to an unprivileged user needs root")
-def test_where_priority_may_not_be_raised_an_engine_thread_keeps_its_own(tmp_path):
-    # A real unprivileged process (user nobody, RLIMIT_NICE 0): the engine still starts.
-    # Everything imported first: user nobody may not read the interpreter's files.
-    code = ("import os, resource, threading; from cluster.engine_cores import place_engine_thread; "
-            "resource.setrlimit(resource.RLIMIT_NICE, (0, 0)); os.setuid(65534); out = {}; "
-            f"t = threading.Thread(target=lambda: out.update(p=place_engine_thread(1, environ={{}}, lock_dir={str(tmp_path)!r}), "
-            "n=os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))); t.start(); t.join(); "
-            "print(out['p'].nice, out['n'])")
-    os.chmod(tmp_path, 0o777)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["None", str(_nice())]
+    assert on_gpu.info() == {"cores": None, "yields": False}  # the GPU's host threads are left alone
 
 
 def _config(threads: int, replicas: int = 1, engine_cores: str = "own", colocated: bool = False,
