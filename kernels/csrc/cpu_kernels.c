@@ -1250,7 +1250,7 @@ static void pair_values(float *acc, const float *scores, int64_t s_stride, const
                 const int qn = G - g0 < ATTEND_HEADS ? (int)(G - g0) : ATTEND_HEADS;
                 const int64_t m0 = r * nq + h * G + g0; /* its query heads: m0 .. m0 + qn */
                 for (int64_t c = 0; c < D / 32;) { /* two chunks of 32 dims per walk, while two are left */
-                    const int64_t pf = h == 0 && g0 == 0 && c == 0 ? pf_bytes : 0;
+                    const int64_t pf = r == 0 && h == 0 && g0 == 0 && c == 0 ? pf_bytes : 0; /* the first walk */
 #define CHUNK(QN) pair_values_chunk(acc + m0 * D, D, pb + m0 * LS, LS, (const bf16_t *)v_cache + (h0 + h) * D, table, \
                                     block_size, row, L[r], Lmax, c, pf, QN, CW)
                     if (c + 2 <= D / 32) {
