@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cluster.config import INGRESS_MODES
+from cluster.config import INGRESS_MODES, LOCAL_SERVE_ENVIRONMENT
 from cluster.ports import free_port
 
 # A gateway replica being stopped keeps serving this long before it closes its ports, so
@@ -61,10 +61,10 @@ def environment(mode: str, local: bool) -> dict[str, str]:
 
 @contextmanager
 def settings(mode: str) -> Iterator[str]:
-    """`mode`'s settings in this process's environment, for a local Ray started inside
-    (its processes keep them); restored on exit, so a later Ray here starts clean.
-    Yields the resolved mode."""
-    env = environment(mode, local=True)
+    """`mode`'s settings, and a local Ray's other Serve settings (LOCAL_SERVE_ENVIRONMENT),
+    in this process's environment, for a local Ray started inside (its processes keep
+    them); restored on exit, so a later Ray here starts clean. Yields the resolved mode."""
+    env = {**LOCAL_SERVE_ENVIRONMENT, **environment(mode, local=True)}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:

@@ -3,13 +3,17 @@ OpenAI's shape, liveness/readiness, Prometheus metrics, admission limits that re
 fast with Retry-After, and per-key rate limits shared through a real redis-server."""
 
 import asyncio
+import base64
+import json
 import os
 import re
 
 import httpx
+import ray
 import redis
+from ray._private import ray_constants
 
-from cluster.config import GatewayConfig, TransportConfig
+from cluster.config import LOCAL_SERVE_ENVIRONMENT, GatewayConfig, TransportConfig
 from cluster.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import metric, wait_until
@@ -82,6 +86,30 @@ def test_engine_replicas_run_at_normal_priority(live):
     stats = live.handle.worker_stats.remote().result()
     pids = [s["pid"] for tier in ("prefill", "decode") for s in stats[tier].values()]
     assert pids and {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {0}
+
+
+def _proc(pid: int, name: str) -> list[str]:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return [part.decode() for part in f.read().split(b"\0") if part]
+
+
+def test_the_local_ray_spares_the_engines_cores(live):
+    """Its GCS records no task events and its Serve controller reconciles every 0.5 s
+    (cluster/config.py: LOCAL_RAY_SYSTEM_CONFIG, LOCAL_SERVE_ENVIRONMENT)."""
+    processes = ray._private.worker.global_worker.node.all_processes
+    (gcs,) = processes[ray_constants.PROCESS_TYPE_GCS_SERVER]
+    (raylet,) = processes[ray_constants.PROCESS_TYPE_RAYLET]
+    (config_list,) = [a.split("=", 1)[1] for a in _proc(gcs.process.pid, "cmdline") if a.startswith("--config_list=")]
+    assert json.loads(base64.b64decode(config_list))["task_events_report_interval_ms"] == 0
+    environments = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if _proc(int(pid), "cmdline")[:1] == ["ray::ServeController"]:
+                environments.append(dict(kv.split("=", 1) for kv in _proc(int(pid), "environ") if "=" in kv))
+        except OSError:  # a process that ended while listed
+            continue
+    (controller,) = [env for env in environments if env.get("RAY_RAYLET_PID") == str(raylet.process.pid)]
+    assert controller["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == LOCAL_SERVE_ENVIRONMENT["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
 
 
 def test_ready_is_503_when_the_kv_transfer_path_is_broken(live, auth):

@@ -8,7 +8,7 @@ import pytest
 
 from cluster import ingress, ports
 from cluster.cli import build_parser
-from cluster.config import ClusterConfig, from_dict
+from cluster.config import LOCAL_SERVE_ENVIRONMENT, ClusterConfig, from_dict
 from cluster.serve_main import config_from_args
 
 
@@ -66,8 +66,10 @@ def test_chosen_ports_are_free_and_never_ones_the_os_hands_out():
 def test_ingress_settings_last_only_while_a_local_ray_starts(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "was set")
     monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
     with ingress.settings("direct") as mode:
         assert mode == "direct"
         assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == LOCAL_SERVE_ENVIRONMENT["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "was set"
-    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ and "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in os.environ
