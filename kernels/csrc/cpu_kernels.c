@@ -970,6 +970,27 @@ static inline const void *cache_row(const void *cache, int dtype, const int32_t 
     return at(cache, ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row + h * D, dtype);
 }
 
+/* Rows m < M of s (LS apart; row m sees L[m / G] positions): softmax(scale s) over each
+   row's own context, exact fp32, zero weights past it. Not inlined: its constants would
+   hold vector registers across run_attend's loops, and the value sums' accumulators
+   spilled to the stack (measured). */
+static __attribute__((noinline)) void softmax_rows(float *s, int64_t LS, const int32_t *L, int64_t M, int64_t G,
+                                                   float scale) {
+    for (int64_t m = 0; m < M; m++) {
+        float *sm = s + m * LS, mx = -INFINITY, sum = 0.f;
+        const int64_t Lr = L[m / G];
+        for (int64_t p = 0; p < Lr; p++) sm[p] *= scale;
+#pragma omp simd reduction(max : mx)
+        for (int64_t p = 0; p < Lr; p++) mx = sm[p] > mx ? sm[p] : mx;
+        for (int64_t p = 0; p < Lr; p++) sm[p] = exp_nonpositive(sm[p] - mx);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < Lr; p++) sum += sm[p];
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < Lr; p++) sm[p] *= inv;
+        for (int64_t p = Lr; p < LS; p++) sm[p] = 0.f;
+    }
+}
+
 /* attend's arguments (qf unscaled), for R G >= RUN_GEMM_MIN_QUERIES and D % VLEN == 0. */
 static void run_attend(float *acc, const float *qf, int q_dtype, float scale, const void *k_cache, const void *v_cache,
                        int kv_dtype, const int32_t *table, const int32_t *L, int64_t R, int64_t block_size, int64_t row,
@@ -1025,19 +1046,7 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
                 }
             }
         }
-        for (int64_t m = 0; m < M; m++) { /* softmax over the row's own context; zero weights past it */
-            float *sm = s + m * LS, mx = -INFINITY, sum = 0.f;
-            const int64_t Lr = L[m / G];
-            for (int64_t p = 0; p < Lr; p++) sm[p] *= scale;
-#pragma omp simd reduction(max : mx)
-            for (int64_t p = 0; p < Lr; p++) mx = sm[p] > mx ? sm[p] : mx;
-            for (int64_t p = 0; p < Lr; p++) sm[p] = exp_nonpositive(sm[p] - mx);
-#pragma omp simd reduction(+ : sum)
-            for (int64_t p = 0; p < Lr; p++) sum += sm[p];
-            const float inv = 1.f / sum;
-            for (int64_t p = 0; p < Lr; p++) sm[p] *= inv;
-            for (int64_t p = Lr; p < LS; p++) sm[p] = 0.f;
-        }
+        softmax_rows(s, LS, L, M, G, scale);
         memset(o, 0, M * D * sizeof(float));
         first = 0;
         if (pairs) {
