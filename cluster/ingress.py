@@ -61,10 +61,12 @@ def environment(mode: str, local: bool) -> dict[str, str]:
 
 @contextmanager
 def settings(mode: str) -> Iterator[str]:
-    """`mode`'s settings, and a local Ray's other Serve settings (LOCAL_SERVE_ENVIRONMENT),
-    in this process's environment, for a local Ray started inside (its processes keep
-    them); restored on exit, so a later Ray here starts clean. Yields the resolved mode."""
-    env = {**LOCAL_SERVE_ENVIRONMENT, **environment(mode, local=True)}
+    """`mode`'s settings, and a local Ray's other Serve settings (LOCAL_SERVE_ENVIRONMENT)
+    where the user set none, in this process's environment, for a local Ray started inside
+    (its processes keep them); restored on exit, so a later Ray here starts clean. Yields
+    the resolved mode."""
+    env = {key: value for key, value in LOCAL_SERVE_ENVIRONMENT.items() if key not in os.environ}
+    env.update(environment(mode, local=True))
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:

@@ -17,7 +17,7 @@ from ray.serve.exceptions import RayServeException
 
 from cluster import engine_cores, ingress
 from cluster.app import build_app, grpc_options
-from cluster.config import LOCAL_RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
+from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, rank_kv_cache_bytes
 from cluster.lifetime import start_reaper
 from cluster.model.builtin import model_or_builtin
@@ -128,7 +128,7 @@ def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True
     (cluster/ingress.py); returns the resolved mode, "direct" or "proxy"."""
     with ingress.settings(ingress_mode) as mode:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                 _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG))
+                 _system_config=dict(RAY_SYSTEM_CONFIG))
     return mode
 
 

@@ -73,3 +73,7 @@ def test_ingress_settings_last_only_while_a_local_ray_starts(monkeypatch):
         assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == LOCAL_SERVE_ENVIRONMENT["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "was set"
     assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ and "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in os.environ
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")  # the user's own interval wins
+    with ingress.settings("proxy"):
+        assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
