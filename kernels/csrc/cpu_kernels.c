@@ -110,6 +110,18 @@ static inline float exp_nonpositive(float x) {
     return (r * r * p + r + 1.0f) * scale;
 }
 
+/* row[0..n) = softmax(row[0..n)) in place, exact fp32 (the max subtracted first). */
+static inline void softmax_row(float *row, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t p = 0; p < n; p++) mx = row[p] > mx ? row[p] : mx;
+    for (int64_t p = 0; p < n; p++) row[p] = exp_nonpositive(row[p] - mx);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < n; p++) sum += row[p];
+    const float inv = 1.f / sum;
+    for (int64_t p = 0; p < n; p++) row[p] *= inv;
+}
+
 /* RMSNorm of one row in place, Hugging Face numerics: normalise in fp32, round to x's dtype,
    then scale (the product is left for the caller to round to its output dtype). */
 static void normalize_row(float *row, const float *wf, int64_t H, float eps, int dtype) {
@@ -977,16 +989,10 @@ static inline const void *cache_row(const void *cache, int dtype, const int32_t 
 static __attribute__((noinline)) void softmax_rows(float *s, int64_t LS, const int32_t *L, int64_t M, int64_t G,
                                                    float scale) {
     for (int64_t m = 0; m < M; m++) {
-        float *sm = s + m * LS, mx = -INFINITY, sum = 0.f;
+        float *sm = s + m * LS;
         const int64_t Lr = L[m / G];
         for (int64_t p = 0; p < Lr; p++) sm[p] *= scale;
-#pragma omp simd reduction(max : mx)
-        for (int64_t p = 0; p < Lr; p++) mx = sm[p] > mx ? sm[p] : mx;
-        for (int64_t p = 0; p < Lr; p++) sm[p] = exp_nonpositive(sm[p] - mx);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < Lr; p++) sum += sm[p];
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < Lr; p++) sm[p] *= inv;
+        softmax_row(sm, Lr);
         for (int64_t p = Lr; p < LS; p++) sm[p] = 0.f;
     }
 }
@@ -1307,17 +1313,7 @@ static void attend(float *acc, float *qf, int q_dtype, float scale, float *score
             attend_pass(0, acc, qf, scores, k_cache, F32, table, L, R, block_size, row, h0, h1, G, D);
     }
     for (int64_t r = 0; r < R; r++)
-        for (int64_t hq = 0; hq < nq; hq++) {
-            float *sh = scores + (r * nq + hq) * Lmax, m = -INFINITY, sum = 0.f;
-            const int64_t Lr = L[r];
-#pragma omp simd reduction(max : m)
-            for (int64_t p = 0; p < Lr; p++) m = sh[p] > m ? sh[p] : m;
-            for (int64_t p = 0; p < Lr; p++) sh[p] = exp_nonpositive(sh[p] - m);
-#pragma omp simd reduction(+ : sum)
-            for (int64_t p = 0; p < Lr; p++) sum += sh[p];
-            const float inv = 1.f / sum;
-            for (int64_t p = 0; p < Lr; p++) sh[p] *= inv;
-        }
+        for (int64_t hq = 0; hq < nq; hq++) softmax_row(scores + (r * nq + hq) * Lmax, L[r]);
 #if defined(__AVX512BF16__)
     if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0) {
         pair_values(acc, scores, Lmax, v_cache, table, L, R, block_size, row, h0, h1, G, D);
