@@ -174,7 +174,7 @@ static inline __attribute__((always_inline)) vecf splat(float x) {
 #elif VLEN == 8
     return (vecf)_mm256_set1_ps(x);
 #else
-    return (vecf)_mm_set1_ps(x);
+    return (vecf){x, x, x, x}; /* SSE or another ISA: no AVX header is included */
 #endif
 }
 

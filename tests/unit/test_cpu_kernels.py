@@ -22,11 +22,12 @@ from tests.unit.test_kernels import _caches, _cos_sin_cache, _naive_decode_atten
 
 DTYPES = [torch.float32, torch.bfloat16]
 AVX2_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx512"})))  # as on an AVX2-only EPYC
+SSE_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx2"})))  # x86-64 without AVX
 # The builds every test runs on: for this CPU (as this process may use it: PDSERVE_CPU_DISABLE
 # caps it, so that a suite run with avx512 off tests what an AVX2-only CPU runs), capped at
-# AVX2, and on an AMX CPU also without AMX (as on an AMD EPYC with AVX-512-BF16), so each code
-# path of the C file runs here.
-ISA_BUILDS = {"native": compiler_isa_flags(detect()), "AVX2": AVX2_FLAGS}
+# AVX2, without AVX (4-lane vectors), and on an AMX CPU also without AMX (as on an AMD EPYC
+# with AVX-512-BF16), so each code path of the C file runs here.
+ISA_BUILDS = {"native": compiler_isa_flags(detect()), "AVX2": AVX2_FLAGS, "SSE": SSE_FLAGS}
 if features_from_flags(cpu_flags(), frozenset()).amx:
     ISA_BUILDS["no AMX"] = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"amx"})))
 
@@ -56,12 +57,15 @@ def test_the_build_follows_the_isa_cap(isa):
     if isa == "AVX2":
         assert "zmm" not in code
         assert "-mno-avx512f" in cpu.compile_flags()
+    elif isa == "SSE":
+        assert "ymm" not in code and "zmm" not in code  # it built (it did not: no AVX header) and uses no AVX
+        assert "-mno-avx" in cpu.compile_flags()
     elif " avx512f " in open("/proc/cpuinfo").read() and "-mno-avx512f" not in cpu.compile_flags():
         assert "zmm" in code  # an AVX-512 CPU gets AVX-512 code
     has_amx = detect().amx and isa == "native"
     assert ("tdpbf16ps" in code) == has_amx  # AMX tiles exactly where the CPU has them and they are not forced off
     assert cpu.amx_tiles() == has_amx
-    has_bf16_products = detect().avx512_bf16 and isa != "AVX2"
+    has_bf16_products = detect().avx512_bf16 and isa not in ("AVX2", "SSE")
     assert ("vdpbf16ps" in code) == has_bf16_products == cpu.bf16_products()
 
 
