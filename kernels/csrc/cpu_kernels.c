@@ -1567,6 +1567,16 @@ static void prefetch_item(const void *k_cache, const void *v_cache, int dtype, c
     request_next_rows(&item, item.rows);
 }
 
+/* Work item i of paged_attention: rows [b0, b0 + R) of one run, with KV heads [h0, h1). */
+typedef struct {
+    int64_t b0, R, h0, h1;
+} attention_item;
+static inline attention_item item_of(int64_t i, const int64_t *run_start, const int64_t *order, int64_t split,
+                                     int64_t Hk) {
+    const int64_t run = order[i / split], b0 = run_start[run];
+    return (attention_item){b0, run_start[run + 1] - b0, i % split * Hk / split, (i % split + 1) * Hk / split};
+}
+
 /* Run i's attention work: its rows times its longest context. */
 static inline int64_t run_work(const int64_t *run_start, const int32_t *lens, int64_t i) {
     return (run_start[i + 1] - run_start[i]) * lens[run_start[i + 1] - 1];
@@ -1635,8 +1645,8 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
         int64_t requested = -1; /* the item whose rows `next` requests */
         for (int64_t item = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED); item < items;) {
             const int64_t following = ahead ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
-            const int64_t b0 = run_start[order[item / split]], R = run_start[order[item / split] + 1] - b0;
-            const int64_t h0 = item % split * Hk / split, h1 = (item % split + 1) * Hk / split;
+            const attention_item it = item_of(item, run_start, order, split, Hk);
+            const int64_t b0 = it.b0, R = it.R, h0 = it.h0, h1 = it.h1;
             const int64_t L = context_lens[b0 + R - 1], nq = (h1 - h0) * G;
             const int32_t *table = block_tables + b0 * table_stride;
             if (L > 0) {
@@ -1646,11 +1656,9 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                     prefetch_item(k_cache, v_cache, kv_dtype, table, L, block_size, row, h0, h1, D);
                 next.table = NULL, requested = following;
                 if (following < items) { /* over this item's ticks: 16 positions x a KV head x 2 passes */
-                    const int64_t fb0 = run_start[order[following / split]];
-                    const int64_t fR = run_start[order[following / split] + 1] - fb0;
-                    const int64_t fh0 = following % split * Hk / split, fh1 = (following % split + 1) * Hk / split;
-                    next = next_rows_of(k_cache, v_cache, kv_dtype, block_tables + fb0 * table_stride,
-                                        context_lens[fb0 + fR - 1], block_size, row, fh0, fh1, D,
+                    const attention_item f = item_of(following, run_start, order, split, Hk);
+                    next = next_rows_of(k_cache, v_cache, kv_dtype, block_tables + f.b0 * table_stride,
+                                        context_lens[f.b0 + f.R - 1], block_size, row, f.h0, f.h1, D,
                                         2 * (h1 - h0) * R * ((L + 15) / 16));
                 }
                 for (int64_t r = 0; r < R; r++) {

@@ -51,7 +51,11 @@ def test_the_silu_mul_prologue_is_silu_and_mul_then_linear(dtype, rows, inter):
     x[0, :3] = torch.tensor([-100.0, 0.0, 100.0]).to(dtype)
     packed = cpu.pack_linear_weight(torch.randn(24, inter).to(dtype))
     fused = cpu.linear(x, packed, None, silu_mul=True)
-    torch.testing.assert_close(fused, cpu.linear(silu_and_mul_reference(x), packed, None), **_tol(dtype))
+    # The same bits as the C SiLU-and-mul (tested against torch's in test_cpu_kernels.py)
+    # then the linear. Against torch's SiLU here, its ulps summed over 1536 products
+    # exceeded fp32's tolerance for some seeds on every build.
+    assert torch.equal(fused, cpu.linear(cpu.silu_and_mul(x), packed, None))
+    torch.testing.assert_close(cpu.silu_and_mul(x), silu_and_mul_reference(x), **_tol(dtype))
 
 
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -190,8 +194,8 @@ def test_a_deep_prompt_chunk_stays_in_one_call_where_attention_multiplies_bf16(t
     seq = PrefillSeq(query_start=0, query_len=16, context_len=16 * 65, block_ids=torch.arange(65))
     meta = AttentionMetadata(torch.arange(16), 0, torch.zeros(0, 65, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), (seq,))
     h16 = torch.zeros(16, model.arch.hidden_size, dtype=torch.bfloat16)
-    capped_at_avx2 = "-mno-avx512f" in cpu.isa_flags()
-    assert cpu.bf16_products() == (detect().native_bf16 and not capped_at_avx2)  # the build under test's
+    capped_below_avx512 = bool({"-mno-avx512f", "-mno-avx"} & set(cpu.isa_flags()))  # the AVX2 or SSE build
+    assert cpu.bf16_products() == (detect().native_bf16 and not capped_below_avx512)  # the build under test's
     assert cpu_step.applies(model, h16, meta, kv) == cpu.bf16_products()
 
 
