@@ -693,7 +693,7 @@ static inline void prefetch_rows(const char *first, int64_t rows, int64_t row_by
 }
 
 /* The KV rows of the item a thread computes next, requested a few at a time while it computes
-   the current one (next_rows_tick in its loops over the cache), so that the next item's
+   the current one (next_rows_ticks in its loops over the cache), so that the next item's
    memory reads overlap this item's compute instead of following it. Requesting a whole item
    before computing it (prefetch_item) stalls on the miss buffers until most of it has
    arrived: decode of 8 x 300 tokens, cold, 1 thread, AMD EPYC, bf16, took the time of the
@@ -724,9 +724,9 @@ static inline void request_next_rows(next_rows *n, int64_t count) {
     }
 }
 
-/* Called once per 16 positions of one KV head in each pass over the cache. */
-static inline void next_rows_tick(next_rows *n) {
-    if (n && n->done < n->rows) request_next_rows(n, n->per_tick);
+/* A tick is 16 positions of one KV head in one pass over the cache. */
+static inline void next_rows_ticks(next_rows *n, int64_t ticks) {
+    if (n && n->done < n->rows) request_next_rows(n, ticks * n->per_tick);
 }
 
 static inline float load_one(const void *p, int64_t i, const int dtype) {
@@ -907,7 +907,7 @@ static void amx_scores(float *scores, const float *qf, float scale, const void *
         const bf16_t *rows = (const bf16_t *)k_cache + ((int64_t)table[b] * block_size + gi * 16) * row;
         const char *next = block_after(k_cache, BF16, table, b, Lmax, block_size, row);
         for (int64_t h = 0; h < heads; h++) {
-            next_rows_tick(ahead);
+            next_rows_ticks(ahead, 1);
             prefetch_part(next, block_bytes, gi * heads + h, groups * heads);
             _tile_zero(0);
             for (int64_t t = 0; t < KT; t++) {
@@ -1198,7 +1198,7 @@ static void pair_scores(float *scores, int64_t s_stride, const float *qf, float 
     store_row(qb, qf, R * nq * D, BF16); /* exact */
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t p0 = 0; p0 < Lmax; p0 += 16) {
-        for (int64_t h = h0; h < h1; h++) next_rows_tick(ahead);
+        next_rows_ticks(ahead, h1 - h0);
         const int64_t n = Lmax - p0 < 16 ? Lmax - p0 : 16;
         const bf16_t *rows[16];
         for (int64_t j = 0, b0 = -1; j < n; j++) { /* a block's rows are row apart */
@@ -1256,7 +1256,7 @@ static inline __attribute__((always_inline)) void pair_values_chunk(float *out, 
     for (int i = 0; i < QN; i++)
         for (int w = 0; w < CW; w++) lo[i][w] = hi[i][w] = _mm512_setzero_ps();
     for (int64_t p0 = 0; p0 < Lr; p0 += block_size) { /* a block at a time: its rows are row apart */
-        for (int64_t t = 0; t < block_size; t += 16) next_rows_tick(ahead);
+        next_rows_ticks(ahead, (block_size + 15) / 16);
         const bf16_t *v = v_head + (int64_t)table[p0 / block_size] * block_size * row + 32 * c;
         const int64_t n = Lr - p0 < block_size ? Lr - p0 : block_size;
         if (pf_bytes && p0 + block_size < Lr) /* the next block's rows, while this one computes */
