@@ -218,6 +218,26 @@ def test_a_decode_row_attends_alike_alone_and_in_a_batch(dtype, num_q_heads, num
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_is_attended_once_when_threads_claim_items_ahead(dtype, threads):
+    """With two items or more per thread, a thread claims its next item before computing the
+    current one (and requests its rows early): every row is still computed once, as alone,
+    empty contexts between others included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k_cache, v_cache, tables, lens = _paged_setup([33, 0, 18, 50, 0, 7, 90, 1, 0], 9, 3, 64, 16, dtype,
+                                                         "nan_blocks")
+        together = cpu.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125)
+        for b in range(len(lens)):
+            alone = cpu.paged_attention_decode(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125)
+            assert torch.equal(alone, together[b : b + 1]), b
+        assert not together.isnan().any() and not together[lens == 0].any()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (4, 1)])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads, num_kv_heads, block_size):
