@@ -110,16 +110,24 @@ static inline float exp_nonpositive(float x) {
     return (r * r * p + r + 1.0f) * scale;
 }
 
-/* row[0..n) = softmax(row[0..n)) in place, exact fp32 (the max subtracted first). */
-static inline void softmax_row(float *row, int64_t n) {
+/* row[0..n) = softmax(scale row[0..n)) in place, exact fp32 (the max subtracted first). The
+   loops run over width >= n entries, which the caller's row has room for: past n, -inf on
+   entry (their exp, clamped to ~1e-38 each, the sum can take) and zero on return. Rows with
+   room pass n rounded up to VLEN, and no loop is left a scalar remainder: in a prompt chunk's
+   short rows the remainders took as long as the vectors (run_attend, 256-token chunk). */
+static inline void softmax_row(float *row, int64_t n, int64_t width, float scale) {
     float mx = -INFINITY, sum = 0.f;
+    for (int64_t p = n; p < width; p++) row[p] = -INFINITY;
 #pragma omp simd reduction(max : mx)
-    for (int64_t p = 0; p < n; p++) mx = row[p] > mx ? row[p] : mx;
-    for (int64_t p = 0; p < n; p++) row[p] = exp_nonpositive(row[p] - mx);
+    for (int64_t p = 0; p < width; p++) {
+        row[p] *= scale;
+        mx = row[p] > mx ? row[p] : mx;
+    }
+    for (int64_t p = 0; p < width; p++) row[p] = exp_nonpositive(row[p] - mx);
 #pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < n; p++) sum += row[p];
+    for (int64_t p = 0; p < width; p++) sum += row[p];
     const float inv = 1.f / sum;
-    for (int64_t p = 0; p < n; p++) row[p] *= inv;
+    for (int64_t p = 0; p < width; p++) row[p] = p < n ? row[p] * inv : 0.f;
 }
 
 /* RMSNorm of one row in place, Hugging Face numerics: normalise in fp32, round to x's dtype,
@@ -1032,10 +1040,9 @@ static __attribute__((noinline)) void softmax_rows(float *s, int64_t LS, const i
                                                    float scale) {
     for (int64_t m = 0; m < M; m++) {
         float *sm = s + m * LS;
-        const int64_t Lr = L[m / G];
-        for (int64_t p = 0; p < Lr; p++) sm[p] *= scale;
-        softmax_row(sm, Lr);
-        for (int64_t p = Lr; p < LS; p++) sm[p] = 0.f;
+        const int64_t Lr = L[m / G], width = round_up(Lr, VLEN); /* <= LS: LS is Lmax rounded up */
+        softmax_row(sm, Lr, width, scale);
+        memset(sm + width, 0, (LS - width) * sizeof(float));
     }
 }
 
@@ -1357,7 +1364,7 @@ static void attend(float *acc, float *qf, int q_dtype, float scale, float *score
             attend_pass(0, acc, qf, scores, k_cache, F32, table, L, R, block_size, row, h0, h1, G, D);
     }
     for (int64_t r = 0; r < R; r++)
-        for (int64_t hq = 0; hq < nq; hq++) softmax_row(scores + (r * nq + hq) * Lmax, L[r]);
+        for (int64_t hq = 0; hq < nq; hq++) softmax_row(scores + (r * nq + hq) * Lmax, L[r], L[r], 1.f);
 #if defined(__AVX512BF16__)
     if (q_dtype == BF16 && kv_dtype == BF16 && D % 32 == 0) {
         pair_values(acc, scores, Lmax, v_cache, table, L, R, block_size, row, h0, h1, G, D, ahead);
