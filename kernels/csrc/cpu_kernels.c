@@ -113,8 +113,9 @@ static inline float exp_nonpositive(float x) {
 /* row[0..n) = softmax(scale row[0..n)) in place, exact fp32 (the max subtracted first). The
    loops run over width >= n entries, which the caller's row has room for: past n, -inf on
    entry (their exp, clamped to ~1e-38 each, the sum can take) and zero on return. Rows with
-   room pass n rounded up to VLEN, and no loop is left a scalar remainder: in a prompt chunk's
-   short rows the remainders took as long as the vectors (run_attend, 256-token chunk). */
+   room pass n rounded up to VLEN, and no loop is left a scalar remainder, which a prompt
+   chunk's many short rows paid for (a 256-token chunk's attention, 30 layers, 1 thread, AMD
+   EPYC: 0.96x the time in bf16, 0.95x in fp32). */
 static inline void softmax_row(float *row, int64_t n, int64_t width, float scale) {
     float mx = -INFINITY, sum = 0.f;
     for (int64_t p = n; p < width; p++) row[p] = -INFINITY;
