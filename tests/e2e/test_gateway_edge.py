@@ -123,33 +123,41 @@ def test_ready_is_503_when_the_kv_transfer_path_is_broken(live, auth):
 
 
 async def _admission_run(live, auth):
+    """The first request streams on the wide model, as long as the context allows, and holds
+    the running slot until the client closes it (which aborts it): its first token says it
+    runs. The checks need a few gauge reads (~0.2 s); the stream would last ~4 s (measured;
+    the tiny model's 480 tokens took 0.36 s, and a 240-token request on it once ended before
+    the last check)."""
     async with httpx.AsyncClient(base_url=live.http_url, headers=auth, timeout=120) as client:
-        long = completion(max_tokens=240)
-        first = asyncio.create_task(client.post("/v1/completions", json=long))
-        second = None
 
         async def gauge(name):
             return metric((await client.get("/metrics")).text, name)
 
-        for _ in range(300):  # the first one holds the running slot ...
-            if await gauge("pdserve_gateway_requests_running") == 1:
-                break
-            await asyncio.sleep(0.05)
-        second = asyncio.create_task(client.post("/v1/completions", json=long))
-        for _ in range(300):  # ... and the second waits in the queue
-            if await gauge("pdserve_gateway_requests_queued") == 1:
-                break
-            await asyncio.sleep(0.05)
-        rejected = await asyncio.gather(*(client.post("/v1/completions", json=completion()) for _ in range(8)))
-        still_running = await gauge("pdserve_gateway_requests_running")
-        return await first, await second, rejected, still_running
+        async with client.stream("POST", "/v1/completions", json=completion(max_tokens=480, stream=True)) as first:
+            lines = first.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):  # its first token: it holds the running slot ...
+                pass
+            second = asyncio.create_task(client.post("/v1/completions", json=completion()))
+            for _ in range(300):  # ... and the second waits in the queue
+                if await gauge("pdserve_gateway_requests_queued") == 1:
+                    break
+                await asyncio.sleep(0.05)
+            # refused at once, not after waiting for a slot (that would take queue_timeout_s: 600 s)
+            rejected = await asyncio.wait_for(
+                asyncio.gather(*(client.post("/v1/completions", json=completion()) for _ in range(8))), 60
+            )
+            still_running = await gauge("pdserve_gateway_requests_running")
+            first_status = first.status_code
+        return first_status, await second, rejected, still_running  # (the first closed and aborted: the second ran)
 
 
-def test_admission_limits_refuse_fast_with_retry_after(live, auth):
-    live.redeploy(GatewayConfig(api_keys=(API_KEY,), max_running_requests=1, max_queued_requests=1, retry_after_s=2))
+def test_admission_limits_refuse_fast_with_retry_after(live, auth, wide_model_config):
+    gateway = GatewayConfig(api_keys=(API_KEY,), max_running_requests=1, max_queued_requests=1, retry_after_s=2,
+                            queue_timeout_s=600)
+    live.redeploy(engine=wide_model_config, gateway=gateway)
     try:
-        first, second, rejected, still_running = asyncio.run(_admission_run(live, auth))
-        assert first.status_code == second.status_code == 200
+        first_status, second, rejected, still_running = asyncio.run(_admission_run(live, auth))
+        assert first_status == second.status_code == 200
         assert [r.status_code for r in rejected] == [503] * 8
         assert all(r.headers["retry-after"] == "2" for r in rejected)
         assert all(r.json()["error"]["type"] == "overloaded_error" for r in rejected)
