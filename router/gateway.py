@@ -39,6 +39,9 @@ from router.router import Router
 log = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+# A scrape waits this long for worker stats, well inside Prometheus' default 10 s scrape
+# timeout: a hung worker costs its own figures (pdserve_workers_silent), not the scrape.
+METRICS_STATS_DEADLINE_S = 3.0
 
 ERRORS = {
     status: {"model": p.ErrorResponse, "description": description}
@@ -246,13 +249,15 @@ class Gateway:
     async def prometheus(self) -> Response:
         """Prometheus text: request latencies of this gateway replica, worker state of all."""
         try:
-            stats = await asyncio.wait_for(self.router.worker_stats(), 10.0)
+            stats, silent = await self.router.poll_workers(METRICS_STATS_DEADLINE_S)
         except Exception as e:  # noqa: BLE001 - gateway metrics still render
             log.warning("metrics: worker stats unavailable: %s", e)
-            stats = {}
+            stats, silent = {}, {}
+        if any(silent.values()):
+            log.warning("metrics: running replicas silent past %g s: %s", METRICS_STATS_DEADLINE_S, silent)
         self.metrics.gateway_running.labels(self.metrics.replica).set(self.admission.running)
         self.metrics.gateway_queued.labels(self.metrics.replica).set(self.admission.queued)
-        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(stats, silent), media_type=CONTENT_TYPE)
 
     @api.get("/v1/models", response_model=p.ModelList, responses={401: ERRORS[401]})
     async def models(self) -> p.ModelList:

@@ -88,9 +88,9 @@ class GatewayMetrics:
     def track(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, worker_stats: dict[str, dict[str, dict]]) -> bytes:
+    def render(self, worker_stats: dict[str, dict[str, dict]], silent: dict[str, int]) -> bytes:
         workers = CollectorRegistry(auto_describe=False)
-        workers.register(_WorkerCollector(worker_stats))
+        workers.register(_WorkerCollector(worker_stats, silent))
         return generate_latest(self.registry) + generate_latest(workers)
 
 
@@ -119,10 +119,12 @@ class RequestTimer:
 
 
 class _WorkerCollector:
-    """Families built from one scrape's worker stats ({tier: {worker_id: stats}})."""
+    """Families built from one scrape's worker stats ({tier: {worker_id: stats}}) and
+    the count of running replicas per tier that did not answer in time."""
 
-    def __init__(self, stats: dict[str, dict[str, dict]]):
+    def __init__(self, stats: dict[str, dict[str, dict]], silent: dict[str, int]):
         self.stats = stats
+        self.silent = silent
 
     def collect(self):
         running = GaugeMetricFamily("pdserve_requests_running", "Requests in the running batch, per tier.", labels=["tier"])
@@ -152,6 +154,14 @@ class _WorkerCollector:
             "pdserve_engine_step_seconds", "Engine step durations per tier, by kind: decode-only, prompt-only, mixed.",
             labels=["tier", "kind"],
         )
+        unheard = GaugeMetricFamily(
+            "pdserve_workers_silent",
+            "Running replicas that did not answer this scrape's stats call in time (hung, or busy beyond it): "
+            "their figures are missing from the families above.",
+            labels=["tier"],
+        )
+        for tier, count in self.silent.items():
+            unheard.add_metric([tier], count)
         received = seconds = transfers = 0.0
         for tier, workers in self.stats.items():
             running.add_metric([tier], sum(s["running"] for s in workers.values()))
@@ -176,4 +186,4 @@ class _WorkerCollector:
                     steps.add_metric([tier, kind], list(zip(bounds, counts)), sum_value=sum(h["sum"] for h in hists))
         transfer_bytes.add_metric([], received)
         transfer_seconds.add_metric([], count_value=transfers, sum_value=seconds)
-        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures, steps)
+        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures, steps, unheard)

@@ -39,6 +39,8 @@ from router.placement import Placer
 log = logging.getLogger(__name__)
 
 MIGRATION_BACKOFF_S = 0.5  # x attempt: later re-issues give Serve time to replace a dead replica
+STATS_CALLS_PER_TIER = 64  # bounds worker_stats' asking when Serve's replica count is stale
+STATS_CALL_S = 1.0  # with a deadline: one stats call's wait, before asking again
 
 
 class Router:
@@ -179,26 +181,48 @@ class Router:
         """{tier: worker ids} of the replicas Serve routes to now, as placement sees them."""
         return self.placer.live_workers()
 
-    async def worker_stats(self) -> dict:
-        """{tier: {worker_id: stats}} for every running replica of each tier.
+    async def worker_stats(self, deadline_s: float | None = None) -> dict:
+        """{tier: {worker_id: stats}} for every running replica of each tier (with a
+        deadline: those heard by then, see `poll_workers`)."""
+        stats, _ = await self.poll_workers(deadline_s)
+        return stats
 
-        A handle cannot address one replica, so this asks until it has heard from as
-        many distinct workers as Serve reports running (bounded number of calls).
+    async def poll_workers(self, deadline_s: float | None = None) -> tuple[dict, dict[str, int]]:
+        """({tier: {worker_id: stats}}, {tier: running replicas not heard}).
+
+        A handle cannot address one replica, so each tier is asked until it has heard
+        from as many distinct workers as Serve reports running (a bounded number of
+        calls). A hung replica holds a call until it wakes: with `deadline_s` each tier
+        stops asking then, and one call waits at most STATS_CALL_S, so the others are
+        still asked (Serve routes the next call away from the one it holds).
         """
         app = serve.status().applications[serve.get_replica_context().app_name]
-        out: dict[str, dict] = {}
-        for tier, name, handle in (("decode", "DecodeWorker", self.decode), ("prefill", "PrefillWorker", self.prefill)):
-            if handle is None:
-                continue
-            running = app.deployments[name].replica_states.get("RUNNING", 0)
-            seen: dict[str, dict] = {}
-            for _ in range(64):
+        tiers = [
+            (tier, handle, app.deployments[name].replica_states.get("RUNNING", 0))
+            for tier, name, handle in (("decode", "DecodeWorker", self.decode), ("prefill", "PrefillWorker", self.prefill))
+            if handle is not None
+        ]
+        heard = await asyncio.gather(*(_hear_from(handle, running, deadline_s) for _, handle, running in tiers))
+        stats = {tier: seen for (tier, _, _), seen in zip(tiers, heard)}
+        silent = {tier: max(0, running - len(seen)) for (tier, _, running), seen in zip(tiers, heard)}
+        return stats, silent
+
+
+async def _hear_from(handle, running: int, deadline_s: float | None) -> dict[str, dict]:
+    """{worker_id: stats} of up to `running` distinct replicas behind `handle`."""
+    loop = asyncio.get_running_loop()
+    end = None if deadline_s is None else loop.time() + deadline_s
+    seen: dict[str, dict] = {}
+    for _ in range(STATS_CALLS_PER_TIER):
+        if len(seen) >= running or (end is not None and loop.time() >= end):
+            break
+        try:
+            async with asyncio.timeout_at(None if end is None else min(end, loop.time() + STATS_CALL_S)):
                 s = await handle.stats.remote()
-                seen[s["worker_id"]] = s
-                if len(seen) >= running:
-                    break
-            out[tier] = seen
-        return out
+        except TimeoutError:
+            continue
+        seen[s["worker_id"]] = s
+    return seen
 
 
 def _attempt_id(request_id: str, attempt: int) -> str:

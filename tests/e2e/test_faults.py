@@ -5,6 +5,7 @@ on the surviving workers returns."""
 
 import json
 import os
+import re
 import signal
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -163,14 +164,21 @@ def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, 
     before = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
     streams = Streams(client, prompts, 200)
     assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
-    victim = max(worker_stats(live, "decode"), key=lambda s: s["running"])
+    decodes = worker_stats(live, "decode")
+    victim = max(decodes, key=lambda s: s["running"])
     assert victim["running"] > 0
     os.kill(victim["pid"], signal.SIGSTOP)
     try:
+        scrape = httpx.get(live.http_url + "/metrics", timeout=30).text  # while it hangs
         texts = streams.texts()
     finally:
         os.kill(victim["pid"], signal.SIGCONT)
     assert texts == expected
+    # The scrape counts the hung replica as silent and still carries the other's figures.
+    assert metric(scrape, "pdserve_workers_silent", tier="decode") == 1
+    assert metric(scrape, "pdserve_workers_silent", tier="prefill") == 0
+    (other,) = [s["worker_id"] for s in decodes if s["worker_id"] != victim["worker_id"]]
+    assert re.search(rf'^pdserve_kv_cache_usage_ratio\{{[^}}]*replica="{other}"', scrape, re.M)
     after = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
     assert after - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
