@@ -32,6 +32,7 @@ from router.auth import load_api_keys
 
 APP_NAME = "pdserve"
 STOP_POLL_S = 0.2  # how soon a SIGTERM's stop begins
+STATUS_DEADLINE_S = 5.0  # `pdserve status` lists the replicas heard by then: a hung one must not hang it
 
 
 def config_from_args(args) -> ClusterConfig:
@@ -214,6 +215,10 @@ def run_status(args) -> int:
         router = serve.get_app_handle(APP_NAME)
     except RayServeException as e:  # Ray is up, but no Serve or no pdserve application on it
         raise ConnectionError(f"no pdserve application on this Ray cluster ({e})") from None
-    stats = router.worker_stats.remote().result()
+    stats, silent = router.poll_workers.remote(STATUS_DEADLINE_S).result()
     print(json.dumps(stats, indent=2))
+    for tier, count in silent.items():
+        if count:
+            print(f"{count} running {tier} replica(s) did not answer within {STATUS_DEADLINE_S:g} s (hung, or busy beyond it)",
+                  file=sys.stderr)
     return 0

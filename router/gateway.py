@@ -203,6 +203,9 @@ class Gateway:
     async def worker_stats(self) -> dict:
         return await self.router.worker_stats()
 
+    async def poll_workers(self, deadline_s: float) -> tuple[dict, dict[str, int]]:
+        return await self.router.poll_workers(deadline_s)
+
     async def live_workers(self) -> dict[str, list[str]]:
         return self.router.live_workers()
 

@@ -114,6 +114,16 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         assert decode.cpu_affinity() == list(engine_cores.HOST_CORES)  # the main thread: anywhere
         assert any(cores and os.sched_getaffinity(t.id) == set(cores.decode) for t in decode.threads()) == bool(cores)
         assert any(os.sched_getscheduler(t.id) == os.SCHED_IDLE for t in prefill.threads()) == bool(cores)
+        # A hung worker does not hang the status: it lists the others and names what is missing.
+        prefill.suspend()
+        try:
+            status = subprocess.run([*PDSERVE, "status"], capture_output=True, text=True, timeout=120)
+        finally:
+            prefill.resume()
+        assert status.returncode == 0, status.stderr
+        stats = json.loads(status.stdout)
+        assert stats["prefill"] == {} and len(stats["decode"]) == 1
+        assert "1 running prefill replica(s) did not answer within" in status.stderr
         running: dict = {}
         streaming = threading.Thread(target=stream_text, args=(client, running))
         streaming.start()
