@@ -39,6 +39,7 @@ from cluster.model.builtin import builtin_model_path
 from cluster.serve_main import APP_NAME
 
 SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM")
+VICTIM_STATS_DEADLINE_S = 3.0  # how long picking a victim waits for the replicas' stats
 FAULT = re.compile(rf"^(prefill|decode):({'|'.join(SIGNALS)})@(\d+(?:\.\d+)?)s(?:/(\d+(?:\.\d+)?)s)?$")
 
 
@@ -94,7 +95,10 @@ class FaultInjector(threading.Thread):
 
     def _inject(self, fault: Fault) -> dict:
         record = {"t_s": round(time.perf_counter() - self._t0, 2), "tier": fault.tier, "signal": fault.signal}
-        stats = list(self.handle.worker_stats.remote().result().get(fault.tier, {}).values())  # (colocated: no prefill tier)
+        # Within a deadline: a replica an earlier SIGSTOP still holds would hold the call until it
+        # resumes; those heard are the live candidates.
+        heard, _ = self.handle.poll_workers.remote(VICTIM_STATS_DEADLINE_S).result()
+        stats = list(heard.get(fault.tier, {}).values())  # (colocated: no prefill tier)
         if not stats:
             return {**record, "skipped": "no live replica"}
         victim = max(stats, key=lambda s: (s["running"] + s["waiting"], random.random()))
