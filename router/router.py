@@ -181,10 +181,9 @@ class Router:
         """{tier: worker ids} of the replicas Serve routes to now, as placement sees them."""
         return self.placer.live_workers()
 
-    async def worker_stats(self, deadline_s: float | None = None) -> dict:
-        """{tier: {worker_id: stats}} for every running replica of each tier (with a
-        deadline: those heard by then, see `poll_workers`)."""
-        stats, _ = await self.poll_workers(deadline_s)
+    async def worker_stats(self) -> dict:
+        """{tier: {worker_id: stats}} for every running replica of each tier."""
+        stats, _ = await self.poll_workers()
         return stats
 
     async def poll_workers(self, deadline_s: float | None = None) -> tuple[dict, dict[str, int]]:
