@@ -79,11 +79,16 @@ def test_streams_go_on_when_their_decode_replica_is_killed(live, client, wide_mo
 
     streams = Streams(client, prompts, long)
     assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
-    victim = max(worker_stats(live, "decode"), key=lambda s: s["running"])
+    decodes = worker_stats(live, "decode")
+    victim = max(decodes, key=lambda s: s["running"])
     assert victim["running"] > 0
     os.kill(victim["pid"], signal.SIGKILL)
+    scrape = httpx.get(live.http_url + "/metrics", timeout=30).text  # before Serve has noticed
 
     assert streams.texts() == expected  # every stream whole: none broken, no token twice or missing
+    # The dead replica only goes silent: the scrape still carries the other's figures.
+    (other,) = [s["worker_id"] for s in decodes if s["worker_id"] != victim["worker_id"]]
+    assert re.search(rf'^pdserve_kv_cache_usage_ratio\{{[^}}]*replica="{other}"', scrape, re.M)
     assert counter(live, "pdserve_request_migrations_total") - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
 
