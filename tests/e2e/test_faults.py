@@ -68,6 +68,11 @@ def counter(live, name: str) -> float:
     return metric(httpx.get(live.http_url + "/metrics", timeout=30).text, name)
 
 
+def carries_figures_of(scrape: str, worker_id: str) -> bool:
+    """Whether a /metrics scrape heard from the worker (its KV cache gauge is there)."""
+    return re.search(rf'^pdserve_kv_cache_usage_ratio\{{[^}}]*replica="{worker_id}"', scrape, re.M) is not None
+
+
 def test_streams_go_on_when_their_decode_replica_is_killed(live, client, wide_model_config):
     """The wide model's streams outlast the stats call that picks the victim (the tiny
     one's 320 tokens could all end before it came back: nothing left to kill)."""
@@ -88,7 +93,7 @@ def test_streams_go_on_when_their_decode_replica_is_killed(live, client, wide_mo
     assert streams.texts() == expected  # every stream whole: none broken, no token twice or missing
     # The dead replica only goes silent: the scrape still carries the other's figures.
     (other,) = [s["worker_id"] for s in decodes if s["worker_id"] != victim["worker_id"]]
-    assert re.search(rf'^pdserve_kv_cache_usage_ratio\{{[^}}]*replica="{other}"', scrape, re.M)
+    assert carries_figures_of(scrape, other)
     assert counter(live, "pdserve_request_migrations_total") - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)
 
@@ -183,7 +188,7 @@ def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, 
     assert metric(scrape, "pdserve_workers_silent", tier="decode") == 1
     assert metric(scrape, "pdserve_workers_silent", tier="prefill") == 0
     (other,) = [s["worker_id"] for s in decodes if s["worker_id"] != victim["worker_id"]]
-    assert re.search(rf'^pdserve_kv_cache_usage_ratio\{{[^}}]*replica="{other}"', scrape, re.M)
+    assert carries_figures_of(scrape, other)
     after = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
     assert after - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)

@@ -57,8 +57,9 @@ def test_chosen_ports_are_free_and_never_ones_the_os_hands_out():
         assert metrics != stats
         for port in (metrics, stats):
             assert port in ports.SAFE_PORTS and not low <= port <= high
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", port))  # free on every interface, as HAProxy binds it
+            with socket.socket() as s:  # free on every interface, bound as HAProxy binds it:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT does not count
+                s.bind(("0.0.0.0", port))
     chosen = {ports.free_port() for _ in range(20)}
     assert all(p in ports.SAFE_PORTS and not low <= p <= high for p in chosen) and len(chosen) > 1
 
