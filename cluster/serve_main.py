@@ -219,6 +219,6 @@ def run_status(args) -> int:
     print(json.dumps(stats, indent=2))
     for tier, count in silent.items():
         if count:
-            print(f"{count} running {tier} replica(s) did not answer within {STATUS_DEADLINE_S:g} s (hung, or busy beyond it)",
+            print(f"{count} running {tier} replica(s) did not answer within {STATUS_DEADLINE_S:g} s (hung, busy beyond it, or killed)",
                   file=sys.stderr)
     return 0

@@ -156,7 +156,8 @@ class _WorkerCollector:
         )
         unheard = GaugeMetricFamily(
             "pdserve_workers_silent",
-            "Running replicas that did not answer this scrape's stats call in time (hung, or busy beyond it): "
+            "Running replicas that did not answer this scrape's stats call in time "
+            "(hung, busy beyond it, or killed and not yet dropped by Serve): "
             "their figures are missing from the families above.",
             labels=["tier"],
         )
