@@ -1094,6 +1094,48 @@ static __attribute__((noinline)) void softmax_rows(float *s, int64_t LS, const i
     }
 }
 
+#if defined(__AVX512BF16__)
+/* kt2 [D/2][16] = K^T of 16 cache rows as dimension pairs (rows[j]: D/2 dwords, bf16 pairs;
+   NULL: zeros), 16 pairs at a time as a 16 x 16 transpose of dwords in registers. With
+   interleave_rows, against a copy element by element: a 32-token chunk's attention at 96
+   and 192 positions of context 0.87x and 0.90-0.96x the time (30 layers, 1 thread, AMD EPYC). */
+static void transpose_pairs(uint32_t *kt2, const uint32_t *const *rows, int64_t D) {
+    const int64_t chunks = D / 32; /* of 16 pairs */
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512i r[16], t[16];
+        for (int j = 0; j < 16; j++) r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 16 * c) : _mm512_setzero_si512();
+        for (int j = 0; j < 16; j += 2) /* per 128-bit lane: columns 4L, 4L+1 | 4L+2, 4L+3 of rows j, j+1 */
+            t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]), t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+        for (int g = 0; g < 16; g += 4) { /* r[g + k], lane L: column 4L + k of rows g .. g+3 */
+            r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]), r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+            r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]), r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+        }
+        for (int k = 0; k < 4; k++) { /* gather lane L of r[k], r[4+k], r[8+k], r[12+k]: column 4L + k */
+            const __m512i lo = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), hi = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+            const __m512i lo2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+            const __m512i hi2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+            uint32_t *out = kt2 + 16 * 16 * c;
+            _mm512_storeu_si512(out + 16 * k, _mm512_shuffle_i32x4(lo, lo2, 0x88));
+            _mm512_storeu_si512(out + 16 * (8 + k), _mm512_shuffle_i32x4(lo, lo2, 0xdd));
+            _mm512_storeu_si512(out + 16 * (4 + k), _mm512_shuffle_i32x4(hi, hi2, 0x88));
+            _mm512_storeu_si512(out + 16 * (12 + k), _mm512_shuffle_i32x4(hi, hi2, 0xdd));
+        }
+    }
+    for (int64_t dp = 16 * chunks; dp < D / 2; dp++) /* a last part of fewer than 16 pairs */
+        for (int j = 0; j < 16; j++) kt2[dp * 16 + j] = rows[j] ? rows[j][dp] : 0;
+}
+
+/* vt2 [D] = cache rows v0 and v1 (bf16; NULL: zeros) interleaved, dimension by dimension:
+   (v0[d], v1[d]) as the dword pair a vdpbf16ps multiplies. D % 16 == 0. */
+static inline void interleave_rows(uint32_t *vt2, const bf16_t *v0, const bf16_t *v1, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512i a = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d))) : _mm512_setzero_si512();
+        const __m512i b = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + d))) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vt2 + d, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+}
+#endif
+
 /* attend's arguments (qf unscaled), for R G >= RUN_GEMM_MIN_QUERIES and D % VLEN == 0. */
 static void run_attend(float *acc, const float *qf, int q_dtype, float scale, const void *k_cache, const void *v_cache,
                        int kv_dtype, const int32_t *table, const int32_t *L, int64_t R, int64_t block_size, int64_t row,
@@ -1123,11 +1165,10 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
             if (pairs) {
 #if defined(__AVX512BF16__)
                 uint32_t *kt2 = (uint32_t *)kt;
-                for (int64_t j = 0; j < VLEN; j++) {
-                    const uint32_t *kr =
-                        j < n ? cache_row(k_cache, BF16, table, p0 + j, block_size, row, h0 + h, D) : NULL;
-                    for (int64_t dp = 0; dp < D / 2; dp++) kt2[dp * VLEN + j] = kr ? kr[dp] : 0;
-                }
+                const uint32_t *rows[16];
+                for (int64_t j = 0; j < 16; j++)
+                    rows[j] = j < n ? cache_row(k_cache, BF16, table, p0 + j, block_size, row, h0 + h, D) : NULL;
+                transpose_pairs(kt2, rows, D);
                 for (int64_t m = first; m < M; m += SCORE_QUERIES) {
                     const int qn = M - m < SCORE_QUERIES ? (int)(M - m) : SCORE_QUERIES;
 #define PAIR_SCORES(QN) group_scores_pairs(s + m * LS + p0, LS, qb + m * D, kt2, D, QN)
@@ -1163,7 +1204,7 @@ static void run_attend(float *acc, const float *qf, int q_dtype, float scale, co
                     const bf16_t *v0 = p < Lmax ? cache_row(v_cache, BF16, table, p, block_size, row, h0 + h, D) : NULL;
                     const bf16_t *v1 =
                         p + 1 < Lmax ? cache_row(v_cache, BF16, table, p + 1, block_size, row, h0 + h, D) : NULL;
-                    for (int64_t d = 0; d < D; d++) vt2[pp * D + d] = (v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
+                    interleave_rows(vt2 + pp * D, v0, v1, D);
                 }
                 for (int64_t m = first; m < M; m += ATTEND_HEADS) {
                     const int qn = M - m < ATTEND_HEADS ? (int)(M - m) : ATTEND_HEADS;

@@ -240,13 +240,14 @@ def test_every_row_is_attended_once_when_threads_claim_items_ahead(dtype, thread
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (4, 1)])
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads, num_kv_heads, block_size):
+# 48: a part of fewer than 16 dimension pairs past the whole ones (K^T is transposed 16 pairs at a time)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_prompt_chunk_rows_attend_causally_each_up_to_itself(dtype, num_q_heads, num_kv_heads, block_size, head_dim):
     """A step's rows as the one-call step gives them: decode tokens, and prompt chunks whose
     tokens each carry their request's table and the context up to themselves. The kernel
     computes a chunk's tokens together (runs of equal tables and consecutive lengths, at
     most RUN_MAX_ROWS = 64 rows each: the 80-token chunk is two runs), in bf16 with AMX in
     tiles (from 16 query rows a run and KV head: amx_attend)."""
-    head_dim = 64
     setup = _paged_setup([70, 80, 120, 9], num_q_heads, num_kv_heads, head_dim, block_size, dtype, "nan_blocks")
     _, k_cache, v_cache, tables, _ = setup
     # rows: a decode of sequence 2; sequence 0's chunk of positions 60..69 (a cached prefix
