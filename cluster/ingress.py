@@ -37,7 +37,7 @@ DRAINING_PERIOD_S = 2.0
 # socket), calls between replicas over gRPC, request-path logs buffered (an ERROR flushes
 # them) and not copied to stderr. The handle's router keeps its own loop: a handle used
 # outside an event loop (a driver's, a test's) needs one. At concurrency 16 on 2 cores the
-# gateway took 6.6-6.9% of a core instead of 8.0-8.3%, and output tok/s was 1.006-1.025x.
+# gateway took 6.6-6.9% of a core instead of 8.0-8.3%, and output tok/s was 1.01-1.02x.
 THROUGHPUT_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
 
