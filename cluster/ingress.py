@@ -32,15 +32,6 @@ from cluster.ports import free_port
 DRAINING_PERIOD_S = 2.0
 
 
-# Serve's throughput mode, which Ray's high-throughput guide pairs with HAProxy: user code on
-# each replica's main event loop (a streamed chunk no longer crosses threads to reach its
-# socket), calls between replicas over gRPC, request-path logs buffered (an ERROR flushes
-# them) and not copied to stderr. The handle's router keeps its own loop: a handle used
-# outside an event loop (a driver's, a test's) needs one. At concurrency 16 on 2 cores the
-# gateway took 6.6-6.9% of a core instead of 8.0-8.3%, and output tok/s was 1.01-1.02x.
-THROUGHPUT_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
-
-
 def resolve(mode: str) -> str:
     """'direct' or 'proxy' for a configured mode."""
     if mode not in INGRESS_MODES:
@@ -60,7 +51,6 @@ def environment(mode: str, local: bool) -> dict[str, str]:
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
-        **THROUGHPUT_MODE,
     }
     if local:
         metrics = free_port()
