@@ -64,6 +64,12 @@ class Unavailable(GatewayError):
     status, type, grpc_code = 503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(GatewayError):
+    """A gRPC Generate ended by its client's Abort (499: nginx's "client closed request")."""
+
+    status, type, grpc_code = 499, "cancelled_error", grpc.StatusCode.CANCELLED
+
+
 def from_exception(e: BaseException) -> GatewayError:
     """What a client is told about `e`: its own message for input it can fix, a generic
     one (never a trace or an object address) for faults of ours, which are logged."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from cluster.engine.engine import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.errors import AlreadyExists, BadRequest, GatewayError, NotFound, Unavailable, from_exception
+from router.errors import Aborted, AlreadyExists, BadRequest, GatewayError, NotFound, Unavailable, from_exception
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
@@ -71,13 +72,33 @@ def response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
     return msg
 
 
+class _Running:
+    """The abort switch of one streaming Generate, kept by its own generator.
+
+    The task that iterates the generator belongs to Serve, and between two messages it runs
+    Serve's and grpc's code: with user code on the replica's main loop it is grpc's handler
+    task, writing the last message. A cancellation landing there ends the call with no
+    status at all, so `abort` cancels the task only while it waits inside this request's
+    own code; an abort that finds it at a yield takes effect when the stream resumes."""
+
+    def __init__(self):
+        self.task = asyncio.current_task()
+        self.at_yield = False
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if not self.at_yield:
+            self.task.cancel()
+
+
 class GrpcServing:
     def __init__(self, router, model_name: str, admitted):
         """`admitted(api_key)`: held around each generation (rate limit, slot)."""
         self.router = router
         self.admitted = admitted
         self.model_name = model_name
-        self._running: dict[str, asyncio.Task] = {}  # client request_id -> the task streaming it
+        self._running: dict[str, _Running] = {}  # client request_id -> its stream's abort switch
 
     def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.Model(id=self.model_name, max_model_len=self.router.inputs.max_model_len)])
@@ -98,20 +119,30 @@ class GrpcServing:
         client_id = request.request_id or self.router.new_request_id()
         if client_id in self._running:
             raise AlreadyExists(f"request_id '{client_id}' is already running")
-        self._running[client_id] = asyncio.current_task()
+        running = self._running[client_id] = _Running()
         try:
-            async with self.admitted(api_key):
-                # Internal ids are always the gateway's own: clients cannot collide in the workers.
-                async for out in self.router.generate(prompt_ids, params, self.router.new_request_id()):
+            # Internal ids are always the gateway's own: clients cannot collide in the workers.
+            stream = self.router.generate(prompt_ids, params, self.router.new_request_id())
+            async with self.admitted(api_key), aclosing(stream):  # closing it aborts it on every tier
+                async for out in stream:
                     if out.finished and out.finish_reason == "abort":
                         raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
+                    running.at_yield = True
                     yield response(client_id, out)
+                    running.at_yield = False
+                    if running.aborted:
+                        raise Aborted(f"request '{client_id}' was aborted")
+        except asyncio.CancelledError:
+            if not running.aborted:
+                raise  # Serve's cancellation (the client went away)
+            running.task.uncancel()  # the abort's own cancellation, answered with a status
+            raise Aborted(f"request '{client_id}' was aborted") from None
         finally:
             self._running.pop(client_id, None)
 
     def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
-        task = self._running.get(request.request_id)
-        if task is None:
+        running = self._running.get(request.request_id)
+        if running is None:
             raise NotFound(f"no running request '{request.request_id}' on this gateway")
-        task.cancel()  # the stream's cancellation aborts it on every tier
+        running.abort()
         return pb.AbortResponse()

@@ -1,18 +1,24 @@
 """The gateway's parts without a cluster: admission slots, API keys, the error table,
-request schemas (strict), and the Redis token bucket against a real redis-server."""
+request schemas (strict), gRPC Abort's timing against the task that streams, and the
+Redis token bucket against a real redis-server."""
 
 import asyncio
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
+from cluster.engine.engine import RequestOutput
 from cluster.errors import InvalidRequestError, KVCacheFullError
 from cluster.redis_server import PrivateRedis
+from protos.pdserve.v1 import generation_pb2 as pb
 from router.admission import Admission
 from router.auth import ApiKeyAuth, load_api_keys
-from router.errors import BadRequest, GatewayError, Overloaded, Unauthorized, Unavailable, from_exception
+from router.errors import Aborted, BadRequest, GatewayError, NotFound, Overloaded, Unauthorized, Unavailable, from_exception
+from router.grpc_serving import GrpcServing
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rate_limit import RateLimiter
 
@@ -111,6 +117,7 @@ def test_error_table_maps_http_and_grpc_alike():
     assert (BadRequest("x").status, BadRequest("x").grpc_code) == (400, grpc.StatusCode.INVALID_ARGUMENT)
     assert (Unauthorized("x").status, Unauthorized("x").grpc_code) == (401, grpc.StatusCode.UNAUTHENTICATED)
     assert (Overloaded("x").status, Overloaded("x").grpc_code) == (503, grpc.StatusCode.UNAVAILABLE)
+    assert Aborted("x").grpc_code == grpc.StatusCode.CANCELLED
     assert Overloaded("x", retry_after_s=2).headers() == {"Retry-After": "2"}
     assert BadRequest("bad temperature", param="temperature").body() == {
         "error": {"message": "bad temperature", "type": "invalid_request_error", "param": "temperature", "code": None}
@@ -127,6 +134,90 @@ def test_unexpected_errors_reveal_nothing():
     assert isinstance(from_exception(InvalidRequestError("max_tokens must be >= 1")), BadRequest)
 
     assert isinstance(from_exception(KVCacheFullError("full")), Unavailable)
+
+
+# ---- gRPC Abort --------------------------------------------------------------------------
+
+
+class EndlessRouter:
+    """What GrpcServing uses of the Router: a stream of one token per tick until closed."""
+
+    def __init__(self):
+        self.inputs = SimpleNamespace(process=lambda prompt, params: [1, 2, 3])
+        self.closed = asyncio.Event()
+
+    def new_request_id(self) -> str:
+        return "internal"
+
+    async def generate(self, ids, params, request_id):
+        try:
+            while True:
+                await asyncio.sleep(0.001)
+                yield RequestOutput(request_id, [7], "x", False, None, len(ids), 1, 0)
+        finally:
+            self.closed.set()
+
+
+@asynccontextmanager
+async def always_admitted(api_key):
+    yield
+
+
+def abortable_stream():
+    router = EndlessRouter()
+    serving = GrpcServing(router, "m", always_admitted)
+    return router, serving, serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"))
+
+
+def test_an_abort_between_two_messages_spares_the_streaming_task_and_ends_at_the_next():
+    """Between two messages the streaming task runs its server's code (grpc writing the
+    last message, with user code on Serve's main loop): the abort must not cancel it."""
+
+    async def scenario():
+        router, serving, stream = abortable_stream()
+        written, outcome = asyncio.Event(), {}
+
+        async def server():  # stands for the task that takes messages and writes them
+            await anext(stream)
+            await written.wait()  # writing the message when the Abort comes
+            outcome["write"] = "done"
+            try:
+                await anext(stream)
+            except Aborted as e:
+                outcome["next"] = e
+
+        task = asyncio.create_task(server())
+        await asyncio.sleep(0.01)
+        serving.abort(pb.AbortRequest(request_id="client-1"))
+        written.set()
+        await task
+        assert outcome["write"] == "done" and isinstance(outcome["next"], Aborted)
+        assert router.closed.is_set()  # the stream is closed: aborted on every tier
+        with pytest.raises(NotFound):
+            serving.abort(pb.AbortRequest(request_id="client-1"))
+
+    asyncio.run(scenario())
+
+
+def test_an_abort_while_the_stream_waits_ends_it_with_a_status_not_a_cancellation():
+    async def scenario():
+        router, serving, stream = abortable_stream()
+        first = asyncio.Event()
+
+        async def server():
+            await anext(stream)
+            first.set()
+            await anext(stream)  # waits inside the stream for the next token when the Abort comes
+
+        task = asyncio.create_task(server())
+        await first.wait()
+        serving.abort(pb.AbortRequest(request_id="client-1"))
+        with pytest.raises(Aborted):
+            await task
+        assert not task.cancelled() and task.cancelling() == 0
+        assert router.closed.is_set()
+
+    asyncio.run(scenario())
 
 
 # ---- request schemas ---------------------------------------------------------------------
