@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,6 +31,21 @@ from cluster.ports import free_port
 # and shutdown would wait that long). HAProxy retries a refused connection on another
 # replica, so a short window loses nothing.
 DRAINING_PERIOD_S = 2.0
+
+
+# Serve's throughput mode, which Ray's high-throughput guide pairs with HAProxy: user code on
+# each replica's main event loop (a streamed chunk no longer crosses threads to reach its
+# socket), calls between replicas over gRPC, request-path logs buffered (an ERROR flushes
+# them). Two of its settings stay as Serve's defaults: the handle's router keeps its own
+# loop (a handle used outside an event loop, a driver's or a test's, needs one), and Serve's
+# logs still go to stderr (`pdserve serve` shows the deployment's progress). At concurrency
+# 16 on 2 cores the gateway took 6.6-6.9% of a core instead of 8.0-8.3%, and output tok/s
+# was 1.006-1.025x (measured with Serve's stderr logs off).
+THROUGHPUT_MODE = types.MappingProxyType({
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+    "RAY_SERVE_LOG_TO_STDERR": "1",
+})
 
 
 def resolve(mode: str) -> str:
@@ -51,6 +67,7 @@ def environment(mode: str, local: bool) -> dict[str, str]:
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
+        **THROUGHPUT_MODE,
     }
     if local:
         metrics = free_port()

@@ -42,6 +42,11 @@ def test_ingress_flag_and_its_ray_settings():
     direct = ingress.environment("direct", local=True)
     assert direct["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == direct["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert float(direct["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) < 30  # not Serve's 30 s per stopping gateway
+    # Serve's throughput mode comes with HAProxy; its router on a loop of its own (drivers'
+    # handles), its logs on stderr (the console shows the deployment's progress)
+    assert direct["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == direct["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
+    assert direct["RAY_SERVE_LOG_TO_STDERR"] == "1"
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in proxy
     # A local Ray's HAProxy listens for metrics and stats on ports of its own, not the fixed defaults.
     assert len({direct["RAY_SERVE_HAPROXY_METRICS_PORT"], direct["RAY_SERVE_HAPROXY_STATS_PORT"], "9101", "8404"}) == 4
     assert "RAY_SERVE_HAPROXY_METRICS_PORT" not in ingress.environment("direct", local=False)
