@@ -131,14 +131,15 @@ class GrpcServing:
                     yield response(client_id, out)
                     running.at_yield = False
                     if running.aborted:
-                        raise Aborted(f"request '{client_id}' was aborted")
+                        break  # an abort that came between two messages
         except asyncio.CancelledError:
             if not running.aborted:
                 raise  # Serve's cancellation (the client went away)
-            running.task.uncancel()  # the abort's own cancellation, answered with a status
-            raise Aborted(f"request '{client_id}' was aborted") from None
+            running.task.uncancel()  # the abort's own cancellation, answered with a status below
         finally:
             self._running.pop(client_id, None)
+        if running.aborted:
+            raise Aborted(f"request '{client_id}' was aborted")
 
     def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
         running = self._running.get(request.request_id)
