@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -52,6 +53,10 @@ class Streams:
             text += chunk.choices[0].text
             self.progress[i] += 1
         return text
+
+    def ended(self) -> bool:
+        """Whether every stream is over, a failed one too (texts() then raises its error)."""
+        return all(f.done() for f in self._futures)
 
     def texts(self) -> list[str]:
         try:
@@ -106,14 +111,27 @@ def test_prompts_survive_their_prefill_replica_being_killed(live, client, wide_m
         decodes=1,
         prefills=prefills,
         transport=TransportConfig(timeout_s=10.0, failure_policy=policy),
+        # Every prompt to the prefill tier (the decode worker computes none to help its
+        # queue): the stats calls below must see that work under way before it ends.
+        routing=RoutingConfig(max_local_prefill_tokens=0),
         engine=wide_model_config,
     )
-    # Prompts of their own (no cache anywhere holds them), so the prefill replica has real work to die in.
-    prompts = [f"Long prompt {i} under {policy}: " + "the fox runs over the hill and back again " * 14 for i in range(6)]
+    # Prompts of their own (no cache anywhere holds them), long (440 tokens of max_model_len's
+    # 512), so the prefill replica has real work to die in.
+    prompts = [f"Long prompt {i} under {policy}: " + "the fox runs over the hill and back again " * 20 for i in range(6)]
     expected = greedy_texts(wide_model_config)(prompts, 16)  # (the fault is in the prefill: a short decode will do)
     streams = Streams(client, prompts, 16)
-    busy = []
-    assert wait_until(lambda: busy.extend(s for s in worker_stats(live, "prefill") if s["running"] + s["waiting"]) or busy, 60, 0.05)
+    busy, polls = [], []  # polls: (seconds the stats call took, [(running, waiting)] per prefill replica)
+
+    def seen_busy() -> bool:
+        start = time.monotonic()
+        stats = worker_stats(live, "prefill")
+        polls.append((round(time.monotonic() - start, 2), [(s["running"], s["waiting"]) for s in stats]))
+        busy.extend(s for s in stats if s["running"] + s["waiting"])
+        return bool(busy)
+
+    assert wait_until(lambda: seen_busy() or streams.ended(), 60, 0.05)
+    assert busy, f"no prefill replica seen busy before the streams ended ({streams.texts()}); stats calls: {polls}"
     os.kill(busy[0]["pid"], signal.SIGKILL)
 
     assert streams.texts() == expected
@@ -129,7 +147,7 @@ def test_a_client_gone_during_the_hand_off_frees_blocks_on_both_tiers(live, wide
     aborted = lambda: {t: sum(s["finished"].get("abort", 0) for s in ws.values())  # noqa: E731
                        for t, ws in live.handle.worker_stats.remote().result().items()}
     before = aborted()
-    body = json.dumps({"model": MODEL_NAME, "prompt": "Gone during the hand-off: " + "the fox runs over the hill and back again " * 14,
+    body = json.dumps({"model": MODEL_NAME, "prompt": "Gone during the hand-off: " + "the fox runs over the hill and back again " * 20,
                        "max_tokens": 16, "stream": True})
     host, port = live.http_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:  # a raw client, to hang up at a moment of our choosing
