@@ -75,7 +75,8 @@ def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of local engines")
+    p.add_argument("--chunk", type=int, default=SchedulerConfig().max_num_batched_tokens,
+                   help="max_num_batched_tokens of local engines (default: pdserve serve's)")
     p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
                    help="of local engines (0: prompt chunks are not capped while requests decode)")
     p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")
