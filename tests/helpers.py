@@ -1,5 +1,6 @@
 """Small helpers the integration and e2e tests share."""
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -56,7 +57,9 @@ class IndexedWorker:
     """A real block pool and the IndexPublisher a worker would run over it, with a given
     load: the prefix index's side of a worker, without an engine."""
 
-    def __init__(self, url, worker_id, tier="prefill", model_id="model-a", block_size=4, generation=None, load=None):
+    def __init__(self, url, worker_id, tier="prefill", model_id="model-a", block_size=4, generation=None, load=None,
+                 step_s=0.0):
+        self.step_s = step_s  # how long the load read waits: an engine's reads run between its steps
         self.pool = BlockPool(64, block_size)
         self.load = {"queued_tokens": 7, "waiting": 0, "running": 2, "kv_usage": 0.0, **(load or {})}
         self.publisher = IndexPublisher(
@@ -72,6 +75,7 @@ class IndexedWorker:
         return self.pool.cached_hashes()
 
     async def _load(self):
+        await asyncio.sleep(self.step_s)
         return self.load
 
     def cache(self, hashes):

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 PREFIX = "pdserve:kv:"
 WORKERS = PREFIX + "workers"
 HEARTBEAT_S = 1.0
+LONG_STEP_S = 30.0  # an engine read held longer than this (a hung step) stops keeping the keys alive
 TTL_S = 3.0  # three missed heartbeats and a worker no longer counts
 LOOKUP_CHUNK = 1000  # SMISMEMBER arguments per call (Lua's stack is bounded)
 
@@ -231,17 +232,20 @@ class IndexPublisher:
 
     async def _run(self) -> None:
         while True:
-            await self.sync()
+            # Unbounded here: the engine's reads wait for its step (a fresh cluster's first
+            # burst makes a step of seconds, which a bound would have logged as Redis being
+            # down), and each Redis command is bounded by the client's socket timeouts.
+            await self.sync(timeout_s=None)
             try:
                 await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
             except TimeoutError:
                 pass
             self._wake.clear()
 
-    async def sync(self, timeout_s: float = 2.0) -> bool:
+    async def sync(self, timeout_s: float | None = 2.0) -> bool:
         """Publish what changed (or a snapshot after a gap) and heartbeat. True if the
-        index now holds this worker's cache; callers on a request's path (flush before
-        answering, so the next lookup sees it) bound it with `timeout_s`."""
+        index now holds this worker's cache; a caller that must not wait long (on a
+        request's path, say) bounds it with `timeout_s` (None: no bound)."""
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._lock:
@@ -256,10 +260,10 @@ class IndexPublisher:
 
     async def _sync_locked(self) -> bool:
         ttl_ms = int(TTL_S * 1000)
-        fields = {**self._identity, **(await self._load())}
+        fields = {**self._identity, **(await self._from_engine(self._load))}
         flat = [x for kv in fields.items() for x in kv]
         if not self._needs_snapshot:
-            stored, evicted = await self._take_events()
+            stored, evicted = await self._from_engine(self._take_events)
             seq = await self._apply(
                 keys=self._keys,
                 args=[self.worker_id, self.generation, self._seq, ttl_ms, len(fields), *flat,
@@ -272,7 +276,7 @@ class IndexPublisher:
                 return True
             self.counts["gaps"] += 1
             log.info("prefix index: gap detected for %s; publishing a snapshot", self.worker_id)
-        hashes = await self._snapshot()
+        hashes = await self._from_engine(self._snapshot)
         self._needs_snapshot = True  # until the snapshot is in
         args = [self.worker_id, ttl_ms, self.generation, len(fields), *flat, *hashes]
         if await self._snapshot_script(keys=self._keys, args=args) < 0:
@@ -283,6 +287,25 @@ class IndexPublisher:
         self.counts["snapshots"] += 1
         self._recovered()
         return True
+
+    async def _from_engine(self, read: Callable[[], Awaitable]):
+        """An engine read: it runs between the engine's steps, so a long step holds it (a
+        2048-token prompt chunk takes seconds on a small CPU). Meanwhile the worker's keys
+        are kept alive, so a step longer than TTL_S does not drop the worker from the index;
+        but no longer than LONG_STEP_S, past which the engine is taken to be hung."""
+        task = asyncio.ensure_future(read())
+        give_up = time.monotonic() + LONG_STEP_S
+        try:
+            while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
+                if time.monotonic() > give_up:
+                    continue
+                async with self._redis.pipeline(transaction=False) as keep_alive:
+                    keep_alive.pexpire(self._keys[0], int(TTL_S * 1000))
+                    keep_alive.pexpire(self._keys[1], int(TTL_S * 1000))
+                    await keep_alive.execute()
+            return task.result()
+        finally:
+            task.cancel()  # (done already, unless sync was cancelled or timed out meanwhile)
 
     def _recovered(self) -> None:
         if self._failing:

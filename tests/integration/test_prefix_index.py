@@ -90,6 +90,60 @@ def test_gaps_are_repaired_by_a_snapshot(server):
     asyncio.run(scenario())
 
 
+def test_a_long_engine_step_neither_fails_the_heartbeat_nor_drops_the_worker(server):
+    """The publisher's reads run between the engine's steps, and a fresh cluster's first
+    burst makes steps of seconds: through a step longer than the TTL the worker stays in
+    the index, and the heartbeat publishes once the step is over, with no error."""
+
+    async def scenario():
+        a = Worker(server.url, "prefill-a")
+        a.cache(HASHES[:3])
+        a.publisher.start()
+        index = PrefixIndex(server.url, MODEL, BS)
+        listed = lambda views: hits(views) == {"prefill-a": 3}  # noqa: E731
+        try:
+            for _ in range(50):
+                if listed(await index.lookup(HASHES)):
+                    break
+                await asyncio.sleep(0.1)
+            assert listed(await index.lookup(HASHES))
+            a.step_s = prefix_index.TTL_S + 1.5  # the next heartbeat's read waits this long
+            a.cache(HASHES[3:5])
+            for _ in range(int(a.step_s / 0.2) + 5):
+                assert hits(await index.lookup(HASHES)) in ({"prefill-a": 3}, {"prefill-a": 5})
+                await asyncio.sleep(0.2)
+            assert hits(await index.lookup(HASHES)) == {"prefill-a": 5}
+            assert a.publisher.counts["errors"] == 0
+        finally:
+            await a.publisher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_hung_engine_still_drops_its_worker_from_the_index(server, monkeypatch):
+    """The keys are kept alive through a long step, not through a hung one: past
+    LONG_STEP_S they expire, and lookups stop counting the worker."""
+    monkeypatch.setattr(prefix_index, "LONG_STEP_S", 1.0)
+
+    async def scenario():
+        a = Worker(server.url, "prefill-a")
+        a.cache(HASHES[:3])
+        assert await a.publisher.sync()
+        a.step_s = 60.0  # hung
+        a.publisher.start()
+        index = PrefixIndex(server.url, MODEL, BS)
+        try:
+            for _ in range(100):
+                if not hits(await index.lookup(HASHES)):
+                    break
+                await asyncio.sleep(0.1)
+            assert hits(await index.lookup(HASHES)) == {}
+        finally:
+            await a.publisher.close()
+
+    asyncio.run(scenario())
+
+
 def test_redis_down_then_back_on_the_same_port_recovers_without_restarting_workers():
     async def scenario(server):
         a = Worker(server.url, "prefill-a")
