@@ -1452,7 +1452,9 @@ static void attend(float *acc, float *qf, int q_dtype, float scale, float *score
     } else
 #endif
     {
-        (void)q_dtype, (void)ahead; /* the fp32 passes take no rows ahead: no faster (AVX2, 8 x 300 tokens) */
+        /* the fp32 passes take no rows ahead: slower with them (AVX2-only AMD EPYC, 8 x 290 tokens,
+           cold, 1.17-1.21x the time), as was one pass with an online softmax (1.25-1.40x) */
+        (void)q_dtype, (void)ahead;
         for (int64_t i = 0; i < R * nq * D; i++) qf[i] *= scale;
         if (kv_dtype == BF16)
             attend_pass(0, acc, qf, scores, k_cache, BF16, table, L, R, block_size, row, h0, h1, G, D);
