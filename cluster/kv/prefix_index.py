@@ -53,6 +53,10 @@ TTL_S = 3.0  # three missed heartbeats and a worker no longer counts
 LOOKUP_CHUNK = 1000  # SMISMEMBER arguments per call (Lua's stack is bounded)
 
 
+def _ttl_ms() -> int:
+    return int(TTL_S * 1000)  # read at each use: tests shorten TTL_S
+
+
 def worker_key(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
 
@@ -259,7 +263,7 @@ class IndexPublisher:
             return False
 
     async def _sync_locked(self) -> bool:
-        ttl_ms = int(TTL_S * 1000)
+        ttl_ms = _ttl_ms()
         fields = {**self._identity, **(await self._from_engine(self._load))}
         flat = [x for kv in fields.items() for x in kv]
         if not self._needs_snapshot:
@@ -299,9 +303,10 @@ class IndexPublisher:
             while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
                 if time.monotonic() > give_up:
                     continue
+                # Only the TTLs, not the scripts: they would publish the load read before the step.
                 async with self._redis.pipeline(transaction=False) as keep_alive:
-                    keep_alive.pexpire(self._keys[0], int(TTL_S * 1000))
-                    keep_alive.pexpire(self._keys[1], int(TTL_S * 1000))
+                    keep_alive.pexpire(self._keys[0], _ttl_ms())
+                    keep_alive.pexpire(self._keys[1], _ttl_ms())
                     await keep_alive.execute()
             return task.result()
         finally:

@@ -25,6 +25,19 @@ def test_scheduler_flags_reach_every_tier_engine():
     assert (defaults.max_num_batched_tokens, defaults.max_step_slowdown) == (2048, 2.0)
 
 
+@pytest.mark.parametrize("bench", [
+    ["compare", "--target-a", "colocated", "--target-b", "1p1d"],
+    ["chaos"],
+    ["cluster", "--model", "m"],
+])
+def test_benchmarks_local_engines_default_to_serves_step_budget(bench):
+    args = build_parser().parse_args(["bench", *bench])
+    serves = config_of().engine.scheduler
+    assert args.chunk == serves.max_num_batched_tokens
+    if hasattr(args, "max_step_slowdown"):
+        assert args.max_step_slowdown == serves.max_step_slowdown
+
+
 def test_a_step_slowdown_below_one_is_refused():
     with pytest.raises(ValueError, match="max_step_slowdown"):
         config_of("--max-step-slowdown", "0.5")
