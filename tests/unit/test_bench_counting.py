@@ -10,7 +10,7 @@ import pytest
 from cluster.bench import datasets
 from cluster.bench.flags import add_serve_flags
 from cluster.bench.openai_client import RequestResult
-from cluster.bench.serve_bench import arrival_times, goodput_slos, summarize, throughput_over_time
+from cluster.bench.serve_bench import arrival_times, goodput_slos, server_deltas, summarize, throughput_over_time
 from cluster.bench.sweep_compare import LocalTarget, attainment, local_target, parse_target
 from cluster.tokenizer import Tokenizer
 
@@ -46,6 +46,13 @@ def test_summary_keys_and_values():
     assert s["request_goodput"] == 1 / 4.0  # only the first meets TTFT <= 200 ms
     assert all(t <= e for t, e in zip(s["ttfts"], s["e2els"]))
     assert s["max_concurrent_requests"] == 2
+
+
+def test_server_deltas_count_route_fallbacks_by_reason():
+    empty, timeout = 'pdserve_route_fallbacks_total{reason="index_empty"}', 'pdserve_route_fallbacks_total{reason="index_timeout"}'
+    deltas = server_deltas({empty: 1.0, timeout: 2.0}, {empty: 4.0, timeout: 2.0})
+    assert deltas["route_fallbacks"] == 3
+    assert deltas["route_fallbacks_index_empty"] == 3 and "route_fallbacks_index_timeout" not in deltas
 
 
 def test_goodput_flag_is_checked():
