@@ -6,8 +6,10 @@ output_len new tokens) run through
   - transformers `generate` (when installed), prefill timed by a 1-token generate,
 and are compared with the memory-bandwidth roofline: one decode step must read every
 weight once, so time/step >= weight bytes / read bandwidth (measured here, now).
-The systems alternate for --rounds rounds and medians are reported (the machine is
-shared and noisy). Results: a table on stdout, JSON and a PNG bar chart in --result-dir.
+In each of --rounds rounds every batch size and system runs in turn, and medians are
+reported (the machine is shared and noisy); each batch's step over the first batch's is the
+median of the rounds' ratios. Results: a table on stdout, JSON and a PNG bar chart in
+--result-dir.
 """
 
 from __future__ import annotations
@@ -205,25 +207,32 @@ def run_engine_bench(args) -> int:
         "runs": [],
     }
     hf_model = None if args.no_transformers else load_transformers(args.model, engine.loaded.dtype)
-    # Systems alternate round by round so that machine noise hits both alike; medians reported.
-    with tqdm(total=len(batch_sizes) * args.rounds, desc="benchmark rounds", unit="round") as bar:
-        for b in batch_sizes:
-            prompts = random_prompts(b, args.input_len, vocab)
-            rounds: dict[str, list[dict]] = {"pdserve": [], "transformers": []}
-            # One untimed run of each first: the first time a shape runs, its activations
-            # page-fault in and the GEMM libraries set up their kernels for it.
-            bench_pdserve(engine, prompts, 2)
-            if hf_model is not None:
-                bench_transformers(hf_model, prompts, 2)
-            for _ in range(args.rounds):
-                rounds["pdserve"].append(bench_pdserve(engine, prompts, args.output_len))
+    # Within a round every batch size runs, and each system, in turn: machine noise hits them
+    # alike, and a batch's step over the first batch's is a ratio of neighbouring runs.
+    prompts = {b: random_prompts(b, args.input_len, vocab) for b in batch_sizes}
+    rounds: dict[int, dict[str, list[dict]]] = {b: {"pdserve": [], "transformers": []} for b in batch_sizes}
+    for b in batch_sizes:
+        # One untimed run of each first: the first time a shape runs, its activations
+        # page-fault in and the GEMM libraries set up their kernels for it.
+        bench_pdserve(engine, prompts[b], 2)
+        if hf_model is not None:
+            bench_transformers(hf_model, prompts[b], 2)
+    with tqdm(total=len(batch_sizes) * args.rounds, desc="benchmark rounds", unit="batch") as bar:
+        for _ in range(args.rounds):
+            for b in batch_sizes:
+                rounds[b]["pdserve"].append(bench_pdserve(engine, prompts[b], args.output_len))
                 if hf_model is not None:
-                    rounds["transformers"].append(bench_transformers(hf_model, prompts, args.output_len))
+                    rounds[b]["transformers"].append(bench_transformers(hf_model, prompts[b], args.output_len))
                 bar.update()
-            run = {"batch_size": b, "rounds": args.rounds}
-            run.update({system: median_of(rs) for system, rs in rounds.items() if rs})
-            run["pdserve"]["prefill_gflops"] = prefill_flops(engine, b, args.input_len) / run["pdserve"]["prefill_s"] / 1e9
-            results["runs"].append(run)
+    first = batch_sizes[0]
+    for b in batch_sizes:
+        run = {"batch_size": b, "rounds": args.rounds}
+        run.update({system: median_of(rs) for system, rs in rounds[b].items() if rs})
+        run["pdserve"]["prefill_gflops"] = prefill_flops(engine, b, args.input_len) / run["pdserve"]["prefill_s"] / 1e9
+        if b != first:  # the median of the rounds' ratios, each of two runs side by side
+            run["pdserve"]["step_over_first_batch"] = statistics.median(
+                r["decode_step_ms_mean"] / r0["decode_step_ms_mean"] for r, r0 in zip(rounds[b]["pdserve"], rounds[first]["pdserve"]))
+        results["runs"].append(run)
     engine.close()  # tensor parallel: the other ranks' processes
 
     print(f"\nCPU: {results['cpu']}; CPU ops: {results['cpu_ops']}")
@@ -239,6 +248,9 @@ def run_engine_bench(args) -> int:
                 f"{r['decode_step_ms_mean'] / roofline_ms:>10.2f} {r['decode_throughput']:>12.1f} "
                 f"{r['output_throughput']:>11.1f} {r['prefill_s']:>9.2f}"
             )
+        if "step_over_first_batch" in run["pdserve"]:
+            print(f"{'':>5} pdserve step is {run['pdserve']['step_over_first_batch']:.2f}x batch {first}'s "
+                  f"(median of {args.rounds} rounds' ratios)")
         if run.get("transformers"):
             ratio = run["transformers"]["decode_step_ms_mean"] / run["pdserve"]["decode_step_ms_mean"]
             print(f"{'':>5} pdserve decode is {ratio:.2f}x transformers")
