@@ -230,8 +230,9 @@ def run_engine_bench(args) -> int:
         run.update({system: median_of(rs) for system, rs in rounds[b].items() if rs})
         run["pdserve"]["prefill_gflops"] = prefill_flops(engine, b, args.input_len) / run["pdserve"]["prefill_s"] / 1e9
         if b != first:  # the median of the rounds' ratios, each of two runs side by side
+            pairs = zip(rounds[b]["pdserve"], rounds[first]["pdserve"])
             run["pdserve"]["step_over_first_batch"] = statistics.median(
-                r["decode_step_ms_mean"] / r0["decode_step_ms_mean"] for r, r0 in zip(rounds[b]["pdserve"], rounds[first]["pdserve"]))
+                r["decode_step_ms_mean"] / r0["decode_step_ms_mean"] for r, r0 in pairs)
         results["runs"].append(run)
     engine.close()  # tensor parallel: the other ranks' processes
 

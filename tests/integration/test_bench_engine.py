@@ -23,6 +23,7 @@ def test_bench_engine_writes_consistent_results(tmp_path, tiny_llama):
         assert ours["prefill_gflops"] > 0
         assert run["transformers"]["decode_step_ms_mean"] > 0
     one, three = (run["pdserve"] for run in data["runs"])
-    assert "step_over_first_batch" not in one  # of one round: the ratio of the two runs' steps
+    assert "step_over_first_batch" not in one
+    # of one round: the ratio of that round's two runs
     assert three["step_over_first_batch"] == three["decode_step_ms_mean"] / one["decode_step_ms_mean"]
     assert (tmp_path / result.name.replace(".json", ".png")).stat().st_size > 1000
