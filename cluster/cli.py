@@ -8,8 +8,8 @@ import json
 import logging
 import sys
 
-from cluster.bench.flags import add_chaos_flags, add_compare_flags, add_serve_flags, add_sweep_flags
-from cluster.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from cluster.bench.flags import add_chaos_flags, add_chunk_flag, add_compare_flags, add_serve_flags, add_sweep_flags
+from cluster.config import DTYPES, CacheConfig, EngineConfig
 from cluster.cpu_features import CpuCapabilityError, detect
 from cluster.serve_options import add_serve_flags as add_config_flags
 from cluster.testing import ARCHS, SIZES
@@ -148,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--input-len", type=int, default=512)
     bc.add_argument("--output-len", type=int, default=64)
     bc.add_argument("--concurrency", type=int, default=4)
-    bc.add_argument("--chunk", type=int, default=SchedulerConfig().max_num_batched_tokens,
-                    help="max_num_batched_tokens of each engine (default: pdserve serve's)")
+    add_chunk_flag(bc)
     bc.add_argument("--torch-threads", type=int, default=1, help="per replica")
     bc.add_argument("--rounds", type=int, default=2)
     bc.add_argument("--result-dir", default="bench-results")

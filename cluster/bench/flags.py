@@ -68,6 +68,12 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     add_local_target_flags(p)
 
 
+def add_chunk_flag(p: argparse.ArgumentParser) -> None:
+    """--chunk: the step budget of the engines a benchmark starts, pdserve serve's by default."""
+    p.add_argument("--chunk", type=int, default=SchedulerConfig().max_num_batched_tokens,
+                   help="max_num_batched_tokens of each engine (default: pdserve serve's)")
+
+
 def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     """How local_cluster builds a local target's engines."""
     p.add_argument("--local-model", help="model directory or .gguf file for local targets")
@@ -75,8 +81,7 @@ def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--chunk", type=int, default=SchedulerConfig().max_num_batched_tokens,
-                   help="max_num_batched_tokens of local engines (default: pdserve serve's)")
+    add_chunk_flag(p)
     p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
                    help="of local engines (0: prompt chunks are not capped while requests decode)")
     p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")

@@ -173,10 +173,10 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
             out[f"{tier}_prefix_cache_hit_tokens"] = hit
             out[f"{tier}_route_predicted_hit_tokens"] = predicted
     out["route_fallbacks"] = total("pdserve_route_fallbacks_total")
-    for key in after:  # and by reason, where any (router/placement.py's labels)
+    for key, value in after.items():  # and by reason, where any (router/placement.py's labels)
         reason = re.fullmatch(r'pdserve_route_fallbacks_total\{reason="([a-z_]+)"\}', key)
-        if reason and total(key):
-            out[f"route_fallbacks_{reason.group(1)}"] = total(key)
+        if reason and value - before.get(key, 0.0):
+            out[f"route_fallbacks_{reason.group(1)}"] = value - before.get(key, 0.0)
     out["request_migrations"] = total("pdserve_request_migrations_total")
     return out
 

@@ -305,7 +305,7 @@ class IndexPublisher:
                     continue
                 # Only the TTLs, not the scripts: they would publish the load read before the step.
                 async with self._redis.pipeline(transaction=False) as keep_alive:
-                    keep_alive.pexpire(self._keys[0], _ttl_ms())
+                    keep_alive.pexpire(self._keys[0], _ttl_ms())  # the worker's keys, not WORKERS
                     keep_alive.pexpire(self._keys[1], _ttl_ms())
                     await keep_alive.execute()
             return task.result()
