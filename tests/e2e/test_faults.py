@@ -116,6 +116,9 @@ def test_prompts_survive_their_prefill_replica_being_killed(live, client, wide_m
         routing=RoutingConfig(max_local_prefill_tokens=0),
         engine=wide_model_config,
     )
+    # The gateway learns of a new replica from Serve a little after the redeploy returns: until
+    # then its stats leave that replica out, and the one seen busy may not be the one working.
+    assert wait_until(lambda: len(worker_stats(live, "prefill")) == prefills, 60, 0.2)
     # Prompts of their own (no cache anywhere holds them), long (440 tokens of max_model_len's
     # 512), so the prefill replica has real work to die in.
     prompts = [f"Long prompt {i} under {policy}: " + "the fox runs over the hill and back again " * 20 for i in range(6)]
