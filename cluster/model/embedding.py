@@ -11,7 +11,9 @@ from cluster.model.tp_group import SINGLE, TensorParallelGroup
 
 class VocabEmbedding(nn.Embedding):
     def __init__(self, num_rows: int, hidden_size: int, vocab_start: int = 0, group: TensorParallelGroup = SINGLE):
-        super().__init__(num_rows, hidden_size)
+        # Loaded, never initialised: on `meta` (loader.py) nn.Embedding's own normal_ init
+        # would import torch._dynamo (~3 s) for nothing.
+        super().__init__(num_rows, hidden_size, _weight=torch.empty(num_rows, hidden_size))
         self.vocab_start = vocab_start
         self.group = group
 

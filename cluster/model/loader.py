@@ -111,7 +111,7 @@ def load_model(
 
     with torch.device("meta"):
         model = CausalLM(arch, max_positions=max_len, group=group)
-    model.to_empty(device=device).to(torch_dtype)
+    _materialise(model, device, torch_dtype)
     model.tie_weights()
     for module in model.modules():  # the fp32 rotary table is derived, not loaded
         if isinstance(module, RotaryEmbedding):
@@ -122,6 +122,19 @@ def load_model(
     if device == "cpu":  # built (or found cached) by now, not on the first request
         log.info("CPU ops: %s", cpu_kernels.describe())
     return LoadedModel(model, arch, torch_dtype, max_len, checkpoint.eos_token_ids())
+
+
+def _materialise(model: torch.nn.Module, device: str, dtype: torch.dtype) -> None:
+    """`model.to_empty(device=device).to(dtype)` for a model built on `meta`, without
+    meta's empty_like: its Python reference imports sympy, ~1 s of every replica's start.
+    Floating-point parameters take `dtype`; buffers keep theirs (their owners rebuild them)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            param_dtype = dtype if param.is_floating_point() else param.dtype
+            empty = torch.empty(param.shape, dtype=param_dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
 
 
 def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch) -> None:

@@ -48,7 +48,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
-        self.register_buffer("cos_sin_cache", self._table(), persistent=False)
+        # On `meta` (loader.py builds the model there) the table waits for rebuild(): meta
+        # ops on it would go through torch._refs, whose first use imports torch._dynamo (~3 s).
+        on_meta = torch.get_default_device().type == "meta"
+        table = torch.empty(max_positions, head_dim, dtype=torch.float32) if on_meta else self._table()
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def _table(self) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
