@@ -18,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.delta_channel import DeltaAddress
-from cluster.engine.engine import RequestOutput
-from cluster.engine.sampler import TokenLogprob
+from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
-from cluster.kv.transport import StoreAddress
+from cluster.ports import StoreAddress
 from cluster.routing import RouteHint
 
 

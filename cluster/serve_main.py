@@ -21,8 +21,9 @@ from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, rank_kv_cache_bytes
 from cluster.lifetime import start_reaper
 from cluster.model.builtin import model_or_builtin
+from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch
-from cluster.model.loader import open_checkpoint, resolve_dtype
+from cluster.model.loader import resolve_dtype
 from cluster.model.sharding import check_divisible, shard_of
 from cluster.openmp import usable_cpus, waiting_env
 from cluster.ports import port_free

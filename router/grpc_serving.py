@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from cluster.engine.engine import RequestOutput
+from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb

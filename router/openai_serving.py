@@ -18,8 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-from cluster.engine.engine import RequestOutput
-from cluster.engine.sampler import TokenLogprob
+from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
 from cluster.tokenizer import ChatTemplateError

@@ -28,8 +28,8 @@ from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig, RoutingConfig
 from cluster.delta_channel import DeltaReceiver
-from cluster.engine.engine import RequestOutput
 from cluster.engine.input_processor import InputProcessor, Prompt
+from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import EngineDeadError, StalledError, can_migrate
 from cluster.messages import GenerateRequest, PrefillRequest

@@ -25,7 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from cluster.engine.engine import Engine, Prompt, RequestOutput
+from cluster.engine.engine import Engine, Prompt
+from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import EngineDeadError
 

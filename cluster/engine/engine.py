@@ -22,9 +22,10 @@ from tqdm import tqdm
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.runner import ModelRunner, check_kv_cache_fits, num_kv_blocks, rank_kv_cache_bytes
-from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob
+from cluster.engine.sampler import SampleInput, Sampler
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
@@ -34,36 +35,15 @@ from cluster.engine_cores import place_engine_thread
 from cluster.errors import InvalidRequestError
 from cluster.host_memory import keep_freed_memory
 from cluster.kv.block_pool import BlockPool
-from cluster.model.families import parse_arch
-from cluster.model.loader import load_model, open_checkpoint, resolve_dtype, resolve_max_model_len
+from cluster.model.checkpoints import open_checkpoint
+from cluster.model.families import parse_arch, resolve_max_model_len
+from cluster.model.loader import load_model, resolve_dtype
 from cluster.model.sharding import shard_of
 from cluster.model.tp_group import SINGLE
 from cluster.openmp import wait_settings
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request (a delta, not the whole history)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-    logprobs: list[TokenLogprob] | None = None
-    # Finished and hold_kv: the blocks that keep its KV until it is released (a prefill
-    # worker sends them without another trip to the engine thread, a whole step later).
-    held_block_ids: list[int] | None = None
-    # A stream_kv request's prompt progress, on an output of its own (no tokens) after each
-    # step that computed a chunk of it: (tokens whose KV is in its blocks, those blocks).
-    # (0, []) after a preemption: the KV reported so far is gone.
-    kv_progress: tuple[int, list[int]] | None = None
 
 
 @dataclass

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
-from cluster.model.families import parse_arch
-from cluster.model.loader import open_checkpoint, resolve_max_model_len
+from cluster.model.checkpoints import open_checkpoint
+from cluster.model.families import parse_arch, resolve_max_model_len
 from cluster.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]

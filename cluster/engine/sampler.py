@@ -37,9 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cluster.engine.outputs import TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 
-__all__ = ["SampleInput", "TokenLogprob", "Sampler", "make_generator"]
+__all__ = ["SampleInput", "Sampler", "make_generator"]
 
 
 @dataclass
@@ -53,20 +54,6 @@ class SampleInput:
     generator: torch.Generator | None = None
     # Tokens this row must not produce now (eos and stop tokens before min_tokens, as vLLM).
     banned_token_ids: Sequence[int] = ()
-
-
-@dataclass
-class TokenLogprob:
-    """A sampled token, as the sampler returns it and requests report it."""
-
-    token_id: int
-    # log-softmax of the raw (unprocessed) logits at token_id; None when the request asked
-    # for no logprobs (params.logprobs None): a logsumexp over the vocabulary per row is not
-    # free (8 rows of a 49152-token vocabulary: ~0.4 ms on one core).
-    logprob: float | None
-    # top-N (token_id, logprob) alternatives from the raw logits, most likely first;
-    # N = params.logprobs (empty if None or 0).
-    top: list[tuple[int, float]]
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -72,11 +72,11 @@ import torch.distributed as dist
 
 from cluster.kv import shm_slots
 from cluster.openmp import serial_torch
+from cluster.ports import StoreAddress
 
 log = logging.getLogger(__name__)
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [num_blocks, bs, Hk, D]
-StoreAddress = tuple[str, int]
 Role = Literal["prefill", "decode"]
 
 PREFILL_RANK, DECODE_RANK = 0, 1

@@ -1,6 +1,6 @@
 """Where a model comes from: a Hugging Face directory or a GGUF file, read alike.
 
-    Checkpoint (loader.open_checkpoint(path) picks the kind)
+    Checkpoint (checkpoints.open_checkpoint(path) picks the kind)
         .config()          Hugging Face config.json fields (a GGUF's are mapped from its metadata)
         .eos_token_ids()   every token that ends a generation
         .tokenizer()       the serving Tokenizer
@@ -17,11 +17,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from cluster.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch is imported by whoever reads tensors: the gateway reads configs, torch-free
+    import torch
 
 
 class ModelLoadError(RuntimeError):

@@ -9,9 +9,14 @@ The families differ only in a few switches of one decoder (see decoder.py):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from cluster.model.rotary import SUPPORTED_ROPE_TYPES
+from cluster.model.checkpoint import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")  # rotary.py builds each
 
 
 @dataclass(frozen=True)
@@ -115,3 +120,15 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
                 f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
     return float(theta), scaling
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
+    limit = arch.max_position_embeddings
+    if requested is not None and requested > limit:
+        raise ModelLoadError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
+    n = requested or limit
+    if arch.sliding_window and n > arch.sliding_window:
+        # Attention here is full, not windowed: exact only within one window.
+        log.warning("capping max_model_len %d to the sliding window %d", n, arch.sliding_window)
+        n = arch.sliding_window
+    return n

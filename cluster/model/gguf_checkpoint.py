@@ -19,9 +19,9 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
@@ -30,6 +30,9 @@ from gguf.quants import dequantize
 from cluster.gguf_tokenizer import build_tokenizer, read_vocab
 from cluster.model.checkpoint import Checkpoint, ModelLoadError, Slice, SliceSelector
 from cluster.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +183,8 @@ class GGUFCheckpoint(Checkpoint):
         return sum(1 for name in self._tensors if hf_name(name) is not None)
 
     def tensors(self, select: SliceSelector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        import torch  # noqa: PLC0415 - only here: the gateway reads a file's config and tokenizer without torch (~2.5 s)
+
         head_dim = self._config["head_dim"]
         for name, t in self._tensors.items():
             target = hf_name(name)

@@ -14,12 +14,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cluster.config import GGUF_SUFFIX
 from cluster.cpu_features import compiler_isa_flags, detect
-from cluster.model.checkpoint import Checkpoint, HFCheckpoint, ModelLoadError
+from cluster.model.checkpoint import Checkpoint, ModelLoadError
+from cluster.model.checkpoints import open_checkpoint
 from cluster.model.decoder import CausalLM
-from cluster.model.families import ModelArch, parse_arch
-from cluster.model.gguf_checkpoint import GGUFCheckpoint
+from cluster.model.families import ModelArch, parse_arch, resolve_max_model_len
 from cluster.model.rotary import RotaryEmbedding
 from cluster.model.sharding import VOCAB_TENSORS, tensor_slice
 from cluster.model.tp_group import SINGLE, TensorParallelGroup
@@ -31,7 +30,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "open_checkpoint", "resolve_dtype", "resolve_max_model_len"]
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -41,20 +40,6 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: frozenset[int]
-
-
-def open_checkpoint(model: str | Path) -> Checkpoint:
-    """A Hugging Face model directory, or a `.gguf` file."""
-    path = Path(model).expanduser()
-    if path.suffix == GGUF_SUFFIX:
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
-        return GGUFCheckpoint(path)
-    if not path.exists():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ModelLoadError(f"model {str(path)!r} is neither a model directory nor a .gguf file")
-    return HFCheckpoint(path)
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
@@ -77,18 +62,6 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> 
         return dtype
     named = TORCH_DTYPES.get(str(checkpoint_dtype).removeprefix("torch."))
     return named if named in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
-    limit = arch.max_position_embeddings
-    if requested is not None and requested > limit:
-        raise ModelLoadError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
-    n = requested or limit
-    if arch.sliding_window and n > arch.sliding_window:
-        # Attention here is full, not windowed: exact only within one window.
-        log.warning("capping max_model_len %d to the sliding window %d", n, arch.sliding_window)
-        n = arch.sliding_window
-    return n
 
 
 def load_model(

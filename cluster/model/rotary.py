@@ -12,9 +12,8 @@ import math
 import torch
 from torch import nn
 
+from cluster.model.families import SUPPORTED_ROPE_TYPES
 from kernels import apply_rotary
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -28,13 +28,12 @@ import torch.distributed as dist
 
 from cluster.errors import RankLostError
 from cluster.model.shm_collectives import ShmCollectives
+from cluster.ports import StoreAddress
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_CAPACITY = 16 << 20  # bytes per rank and buffer: a 2k-token step's activations of a ~1k-wide model in fp32
-
-StoreAddress = tuple[str, int]
 
 
 class TensorParallelGroup:

@@ -21,8 +21,8 @@ from cluster.config import CacheConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model.builtin import builtin_model_path
+from cluster.model.checkpoints import open_checkpoint
 from cluster.model.gguf_checkpoint import SUPPORTED_TYPES
-from cluster.model.loader import open_checkpoint
 from cluster.testing.gguf_export import export_gguf
 from cluster.testing.random_checkpoint import make_model, training_corpus
 from cluster.tokenizer import Tokenizer

@@ -12,8 +12,8 @@ import torch
 
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch
-from cluster.model.loader import open_checkpoint
 from cluster.model.sharding import shard_of, tensor_slice
 from cluster.testing.gguf_export import export_gguf
 from tests.conftest import TINY_VARIANTS

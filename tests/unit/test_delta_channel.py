@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from cluster.delta_channel import DeltaChannelError, DeltaReceiver, DeltaSender, _frame
-from cluster.engine.engine import RequestOutput
+from cluster.engine.outputs import RequestOutput
 
 
 def delta(request_id: str, token: int, finished: bool = False) -> RequestOutput:

@@ -1,8 +1,10 @@
 """The gateway's parts without a cluster: admission slots, API keys, the error table,
-request schemas (strict), gRPC Abort's timing against the task that streams, and the
-Redis token bucket against a real redis-server."""
+request schemas (strict), gRPC Abort's timing against the task that streams, the
+Redis token bucket against a real redis-server, and what the gateway imports."""
 
 import asyncio
+import subprocess
+import sys
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
@@ -11,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from cluster.engine.engine import RequestOutput
+from cluster.engine.outputs import RequestOutput
 from cluster.errors import InvalidRequestError, KVCacheFullError
 from cluster.redis_server import PrivateRedis
 from protos.pdserve.v1 import generation_pb2 as pb
@@ -21,6 +23,18 @@ from router.errors import Aborted, BadRequest, GatewayError, NotFound, Overloade
 from router.grpc_serving import GrpcServing
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rate_limit import RateLimiter
+
+# ---- imports -----------------------------------------------------------------------------
+
+
+def test_the_gateway_imports_no_torch():
+    """The gateway relays tokens and text: torch (and what comes with it: triton, sympy)
+    would cost each gateway replica seconds of start and hundreds of MB for nothing."""
+    heavy = ("torch", "triton", "sympy")
+    probe = f"import sys, router.gateway; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
 
 # ---- admission ---------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from cluster.engine.sampler import SampleInput, Sampler, TokenLogprob, _topk_rows, make_generator
+from cluster.engine.outputs import TokenLogprob
+from cluster.engine.sampler import SampleInput, Sampler, _topk_rows, make_generator
 from cluster.engine.sampling_params import SamplingParams as SP
 
 
