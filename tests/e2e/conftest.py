@@ -1,8 +1,9 @@
 """A real local cluster behind Serve's HTTP and gRPC ingress, for tests through real
 clients (the `openai` SDK, generated gRPC stubs, httpx, schemathesis).
 
-One cluster per module: local Ray, a private redis-server, 1 prefill + 1 decode worker
-and the gateway, with an API key. `redeploy(gateway=...)` swaps the gateway's limits;
+One local Ray and Serve for the whole package (starting and stopping them costs ~16 s);
+one cluster per module on it: a private redis-server, 1 prefill + 1 decode worker and the
+gateway, with an API key, deleted when the module ends. `redeploy(gateway=...)` swaps the gateway's limits;
 the workers keep running (their arguments do not change, so Serve keeps them);
 `redeploy(engine=...)` restarts them on another checkpoint (same tokenizer), and
 `redeploy(prefill_tp=..., decode_tp=...)` on that many tensor-parallel ranks per replica.
@@ -27,7 +28,7 @@ from cluster.config import (
 )
 from cluster.ports import free_port
 from cluster.redis_server import PrivateRedis
-from cluster.serve_main import start_local_ray
+from cluster.serve_main import APP_NAME, start_local_ray
 
 API_KEY = "sk-test-0123456789"
 MODEL_NAME = "tiny-qwen2"
@@ -65,7 +66,7 @@ class LiveCluster:
             gateway=gateway,
             routing=routing,
         )
-        self.handle = serve.run(build_app(config), name="pdserve", route_prefix="/")
+        self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         return self.handle
 
 
@@ -87,19 +88,28 @@ def wide_model_config(engine_config, wide_model):
     return dataclasses.replace(engine_config, model=str(wide_model))
 
 
-@pytest.fixture(scope="module")
-def live(engine_config):
+@pytest.fixture(scope="package")
+def serve_ingress():
+    """Local Ray and Serve for every module here: (HTTP base URL, gRPC target)."""
     http_port, grpc_port = free_port(), free_port()
     start_local_ray(8, "auto", log_to_driver=False)  # (direct ingress where Serve ships HAProxy, as `pdserve serve`)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(grpc_port))
+    try:
+        yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(serve_ingress, engine_config):
     with PrivateRedis() as redis:
-        cluster = LiveCluster(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", engine_config, redis)
+        cluster = LiveCluster(*serve_ingress, engine_config, redis)
         cluster.redeploy()
         try:
             yield cluster
         finally:
-            serve.shutdown()
-            ray.shutdown()
+            serve.delete(APP_NAME)  # every replica stopped: the next module starts from none
 
 
 @pytest.fixture
