@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from cluster.config import GGUF_SUFFIX
+from cluster.gguf_reader import MappedGGUFReader
 from cluster.tokenizer import Tokenizer
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6  # llama.cpp's token types
@@ -91,7 +91,7 @@ class GGUFVocab:
     chat_template: str | None
 
 
-def read_vocab(reader: GGUFReader) -> GGUFVocab:
+def read_vocab(reader: MappedGGUFReader) -> GGUFVocab:
     def meta(key: str):
         field = reader.fields.get(key)
         return None if field is None else field.contents()
@@ -119,7 +119,7 @@ def load_tokenizer(model: str | Path) -> Tokenizer:
     path = Path(model)
     if path.suffix != GGUF_SUFFIX:
         return Tokenizer.from_pretrained(path)
-    return build_tokenizer(read_vocab(GGUFReader(path)))
+    return build_tokenizer(read_vocab(MappedGGUFReader(path)))
 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from cluster.gguf_reader import MappedGGUFReader
 from cluster.gguf_tokenizer import build_tokenizer, read_vocab
 from cluster.model.checkpoint import Checkpoint, ModelLoadError, Slice, SliceSelector
 from cluster.tokenizer import Tokenizer
@@ -90,7 +90,7 @@ class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path):
         self.path = path
         try:
-            self._reader = GGUFReader(path)
+            self._reader = MappedGGUFReader(path)
         except Exception as e:  # noqa: BLE001 - gguf raises ValueError, KeyError, IndexError ... on bad bytes
             raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
         self.arch = self._meta("general.architecture")

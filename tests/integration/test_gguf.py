@@ -10,16 +10,18 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, trainers
 
 from cluster.config import CacheConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.gguf_reader import MappedGGUFReader
 from cluster.model.builtin import builtin_model_path
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.gguf_checkpoint import SUPPORTED_TYPES
@@ -73,6 +75,22 @@ def test_builtin_smollm2_matches_transformers(smollm2):
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, ids)
     assert "Paris" in outs[0].text
+
+
+def test_the_mapped_reader_reads_what_gguf_reads():
+    """cluster/gguf_reader.py parses over a plain view of the map: every field, value and
+    tensor of the built-in model's file as the gguf package's own reader gives them."""
+    ours, theirs = MappedGGUFReader(builtin_model_path()), GGUFReader(builtin_model_path())
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), key
+        assert mine.contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in theirs.tensors
+    ]
+    for mine, tensor in zip(ours.tensors, theirs.tensors):
+        assert np.array_equal(mine.data, tensor.data), tensor.name
 
 
 def test_generate_cli_matches_transformers(smollm2):

@@ -1,7 +1,10 @@
-"""The Hugging Face loader refuses broken or unsupported checkpoints with clear errors."""
+"""The Hugging Face loader refuses broken or unsupported checkpoints with clear errors,
+and loads without torch's compiler stack."""
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,6 +38,19 @@ def test_sharded_checkpoint_loads_every_shard(tiny_models):
     loaded = load_model(model_dir, dtype="float32")
     assert loaded.arch.rope_scaling["rope_type"] == "llama3"
     assert len(loaded.eos_token_ids) == 2  # generation_config lists two eos ids
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_loading_imports_neither_dynamo_nor_sympy(tiny_models, name):
+    """Every replica and rank loads a model at start: ops on the `meta` model that go through
+    torch's Python references import torch._dynamo and sympy (~4 s of CPU) for nothing."""
+    probe = (
+        "import sys; from cluster.model.loader import load_model; "
+        f"load_model({str(tiny_models[name])!r}, dtype='float32'); "
+        "print([m for m in ('torch._dynamo', 'sympy') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
 def test_dtype_choice(tiny_models):
