@@ -49,8 +49,9 @@ _SIGNATURES = {  # name: (argument types, result type)
     "pd_packed_linear_layout": ([_i32], _i32),
     "pd_amx_tiles": ([], _i32),
     "pd_bf16_products": ([], _i32),
+    "pd_compact_weights": ([], _i32),
     "pd_pack_linear_weight": ([_p, _p, _i64, _i64, _i32], None),
-    "pd_linear": ([_p, _i32, _p, _f32, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32], None),
+    "pd_linear": ([_p, _i32, _p, _f32, _p, _p, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32], None),
     "pd_rms_norm": ([_p, _p, _i64, _p, _i64, _i64, _f32, _i32, _i32, _i32, _i32], None),
     "pd_silu_and_mul": ([_p, _p, _i64, _i64, _i64, _i32, _i32], None),
     "pd_rotary": ([_p, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i32], None),
@@ -61,7 +62,8 @@ _SIGNATURES = {  # name: (argument types, result type)
         [_p, _p, _i64, _p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64,
          _f32, _i32], None),
     "pd_step_layers": (
-        [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _i32, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i32],
+        [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _p, _i64,
+         _i32],
         None),
 }
 LINEAR_PLAIN, LINEAR_RMS_NORM, LINEAR_SILU_MUL = 0, 1, 2  # pd_linear's prologues
@@ -164,6 +166,7 @@ def reload() -> None:
     packed_layout.cache_clear()
     amx_tiles.cache_clear()
     bf16_products.cache_clear()
+    compact_weights.cache_clear()
 
 
 @functools.cache
@@ -180,6 +183,21 @@ def amx_tiles() -> bool:
     the tile state."""
     lib = library()
     return lib is not None and bool(lib.pd_amx_tiles())
+
+
+@functools.cache
+def compact_weights() -> bool:
+    """The loaded kernels multiply fp32 rows by bf16 weights (where bf16 packs as fp32 does:
+    no bf16 products), so an fp32 model's weights that bf16 holds exactly can be packed at
+    half the bytes (pack_linear_weight)."""
+    lib = library()
+    return lib is not None and bool(lib.pd_compact_weights())
+
+
+def bf16_holds(weight: torch.Tensor) -> bool:
+    """Every element of this fp32 tensor is a bf16 value: its low 16 bits are zero (a bf16
+    checkpoint served in fp32)."""
+    return weight.dtype == torch.float32 and not (weight.view(torch.int32) & 0xFFFF).any()
 
 
 def available() -> bool:
@@ -229,8 +247,13 @@ def packed_layout(dtype: torch.dtype) -> int:
     return library().pd_packed_linear_layout(DTYPE_CODES[dtype])
 
 
-def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
+def pack_linear_weight(weight: torch.Tensor, *, compact: bool = False) -> PackedWeight:
+    """compact: the weight is fp32 and `bf16_holds` it; where the kernels take it
+    (`compact_weights`), it is packed in bf16: a decode step streams half the bytes, and
+    widening bf16 to fp32 is exact, so every product is the fp32 weight's own."""
     out_features, in_features = weight.shape
+    if compact and compact_weights():
+        weight = weight.to(torch.bfloat16)
     weight, code, lib = weight.contiguous(), DTYPE_CODES[weight.dtype], library()
     data = torch.empty(lib.pd_packed_linear_numel(in_features, out_features, code), dtype=weight.dtype)
     lib.pd_pack_linear_weight(weight.data_ptr(), data.data_ptr(), in_features, out_features, code)
@@ -257,7 +280,8 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, *, 
         residual = residual.to(x.dtype).contiguous()
     y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     library().pd_linear(x.data_ptr(), prologue, _ptr(norm_weight), eps, weight.data.data_ptr(), _ptr(bias), _ptr(residual),
-                        y.data_ptr(), x.shape[0], weight.in_features, weight.out_features, DTYPE_CODES[x.dtype], _threads())
+                        y.data_ptr(), x.shape[0], weight.in_features, weight.out_features, DTYPE_CODES[x.dtype],
+                        DTYPE_CODES[weight.data.dtype], _threads())
     return y
 
 
@@ -371,17 +395,20 @@ class DecoderShape:
     scale: float  # attention's
 
 
-def step_layers(h: torch.Tensor, layers: ctypes.Array, shape: DecoderShape, positions, cos_sin_cache, slot_mapping,
-                block_tables, context_lens, kv_dtype: torch.dtype, block_size: int) -> torch.Tensor:
+def step_layers(h: torch.Tensor, layers: ctypes.Array, weight_dtype: torch.dtype, shape: DecoderShape, positions,
+                cos_sin_cache, slot_mapping, block_tables, context_lens, kv_dtype: torch.dtype,
+                block_size: int) -> torch.Tensor:
     """Every decoder layer of a step in one call (pd_step_layers): h [B, hidden] goes through
-    `layers` in turn and is updated in place; the layers' caches get the new K/V. Each row's
+    `layers` in turn and is updated in place; the layers' caches get the new K/V. Every packed
+    weight in `layers` is in `weight_dtype` (h's, or bf16 for compact fp32 ones). Each row's
     attention metadata as `rotary_store_attend` takes it: a decode token, or a prompt chunk's
     token with its request's block table and the context up to itself."""
     positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
     tables, lens = _tables_and_lens(block_tables, context_lens)
     library().pd_step_layers(
         h.data_ptr(), h.shape[0], layers, len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-        shape.intermediate, shape.eps, shape.scale, DTYPE_CODES[h.dtype], positions.data_ptr(), cos_sin_cache.data_ptr(),
-        slots.data_ptr(), DTYPE_CODES[kv_dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(), block_size, _threads(),
+        shape.intermediate, shape.eps, shape.scale, DTYPE_CODES[h.dtype], DTYPE_CODES[weight_dtype],
+        positions.data_ptr(), cos_sin_cache.data_ptr(), slots.data_ptr(), DTYPE_CODES[kv_dtype], tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), block_size, _threads(),
     )
     return h

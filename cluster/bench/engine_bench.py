@@ -27,6 +27,7 @@ from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.cpu_features import cpu_summary
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.model.linear import Linear
 from kernels import cpu as cpu_kernels
 
 
@@ -70,10 +71,15 @@ def prefill_flops(engine: Engine, batch: int, input_len: int) -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """The whole model's (tensor-parallel: rank 0's shard times the ranks, which read
-    theirs at the same time from the same memory)."""
-    shard = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
-    return shard * engine.loaded.model.shard.size
+    """The weight bytes a decode step streams: every parameter once, a linear's as the copy
+    its C kernel reads where it has one (an fp32 model's compact copies are bf16). The
+    whole model's: tensor-parallel, rank 0's shard times the ranks, which read theirs at the
+    same time from the same memory."""
+    model = engine.loaded.model
+    kernel_copies = {id(m.weight): m.kernel_weight.data for m in model.modules()
+                     if isinstance(m, Linear) and m.kernel_weight is not None}
+    read = [kernel_copies.get(id(p), p) for p in model.parameters()]
+    return sum(t.numel() * t.element_size() for t in read) * model.shard.size
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -100,6 +100,7 @@ class StepPlan:
         self.shape = cpu.DecoderShape(arch.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                       layers[0].mlp.down_proj.in_features, arch.rms_norm_eps, attn0.scale)
         self.table = (cpu.StepLayer * len(layers))()
+        self.weight_dtype = attn0.qkv_proj.c_kernel_weight().data.dtype  # every layer's (DecoderModel.fuse)
         for entry, layer, (k_cache, v_cache) in zip(self.table, layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm, entry.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
@@ -126,5 +127,5 @@ def step_layers(model, h: torch.Tensor, positions: torch.Tensor, kv_caches: list
         plan = model.cpu_step_plan = StepPlan(model, kv_caches, h.dtype)
     k_cache = kv_caches[0][0]
     tables, lens = row_attention(meta)
-    return cpu.step_layers(h, plan.table, plan.shape, positions, model.model.layers[0].self_attn.rotary.cos_sin_cache,
+    return cpu.step_layers(h, plan.table, plan.weight_dtype, plan.shape, positions, model.model.layers[0].self_attn.rotary.cos_sin_cache,
                            meta.slot_mapping, tables, lens, k_cache.dtype, k_cache.shape[1])

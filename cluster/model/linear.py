@@ -88,10 +88,13 @@ def can_pack(weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's
     kernel_weight: cpu.PackedWeight | None = None  # the C kernel's
+    compact = False  # the C kernel's copy of an fp32 weight may be bf16 (cpu.pack_linear_weight)
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, compact: bool = False) -> None:
+        """compact: the weight is fp32 and every value is a bf16 one (cpu.bf16_holds)."""
+        self.compact = compact
         if cpu.usable(self.weight):
-            self.kernel_weight = cpu.pack_linear_weight(self.weight.detach())
+            self.kernel_weight = cpu.pack_linear_weight(self.weight.detach(), compact=compact)
         if can_pack(self.weight):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKED_MAX_ROWS)
 
@@ -102,7 +105,7 @@ class Linear(nn.Linear):
     def c_kernel_weight(self) -> cpu.PackedWeight:
         """The C kernel's weight, packed again if the kernels were rebuilt for another ISA."""
         if not self.kernel_weight.fits_library():
-            self.kernel_weight = cpu.pack_linear_weight(self.weight.detach())
+            self.kernel_weight = cpu.pack_linear_weight(self.weight.detach(), compact=self.compact)
         return self.kernel_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +115,15 @@ class Linear(nn.Linear):
         if self.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_for_cpu(linears: list[Linear]) -> None:
+    """Pre-pack a model's linears. An fp32 model whose every linear weight bf16 holds exactly
+    (a bf16 checkpoint served in fp32) packs the C kernel's copies compact; all or none, as a
+    step's layers take one weight dtype (cluster/model/cpu_step.py)."""
+    compact = all(cpu.usable(m.weight) and cpu.bf16_holds(m.weight) for m in linears)
+    for m in linears:
+        m.pack_for_cpu(compact)
 
 
 def fuse_linears(*parts: nn.Linear) -> Linear:

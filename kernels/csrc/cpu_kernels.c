@@ -268,6 +268,8 @@ int pd_packed_linear_layout(int dtype) {
     (void)dtype;
     return PAIRS(dtype) ? 1016 : VLEN;
 }
+/* Whether pd_linear takes bf16 weights for fp32 x: where bf16 packs as fp32 does (no pairs). */
+int pd_compact_weights(void) { return !PAIRS(BF16); }
 
 /* w: [O, K] (dtype) -> wp (the layout above). */
 void pd_pack_linear_weight(const void *w, void *wp, int64_t K, int64_t O, int dtype) {
@@ -493,8 +495,11 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
     }
 }
 
-/* x: [B, K] (dtype; [B, 2K] for LINEAR_SILU_MUL), wp: pd_pack_linear_weight's, bias: [O] or
-   NULL, residual: [B, O] or NULL, y: [B, O] (dtype); norm_w: [K] (dtype) for LINEAR_RMS_NORM.
+/* x: [B, K] (dtype; [B, 2K] for LINEAR_SILU_MUL), wp: pd_pack_linear_weight's in wdtype, bias:
+   [O] or NULL, residual: [B, O] or NULL, y: [B, O] (dtype); norm_w: [K] (dtype) for
+   LINEAR_RMS_NORM. wdtype is dtype, or bf16 for fp32 x where the bf16 layout has no pairs
+   (pd_compact_weights): an fp32 model's weights that bf16 holds exactly, read at half the
+   bytes and widened in registers, so the products are the fp32 weights' own.
    y = prologue(x) @ w.T + bias, then + residual: the linear's output is rounded to dtype
    before the residual is added, as torch's `h + linear(x)` rounds it.
    Each pass over 2 or 3 output blocks (PACK_NO; L2-sized) serves every group of PACK_ROWS
@@ -508,10 +513,10 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
    dynamic schedule hands out passes without saying which comes next: prefetching pass + 1
    warmed the other thread's pass half the time, and 8 fp32 rows took 1.20x a fixed share). */
 void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const void *wp, const void *bias,
-               const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int nthreads) {
+               const void *residual, void *y, int64_t B, int64_t K, int64_t O, int dtype, int wdtype, int nthreads) {
     if (B <= 0) return; /* a step that samples no row asks for no logits */
-    const int64_t n = PACK_BLOCK(dtype), blocks = round_up(O, n) / n, OP = blocks * n;
-    const int pairs = PAIRS(dtype);
+    const int64_t n = PACK_BLOCK(wdtype), blocks = round_up(O, n) / n, OP = blocks * n;
+    const int pairs = PAIRS(wdtype); /* then dtype == wdtype: kernels/cpu.py packs no compact weight */
     const int64_t KP = pairs ? packed_pairs(K) : 0;
 #if defined(HAVE_AMX)
     const int amx = pairs && amx_permitted(); /* from one row: it costs what vdpbf16ps does there */
@@ -571,7 +576,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
         }
 #endif
         /* a block's weight bytes; the blocks of the next pass, shared among its row groups */
-        const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (dtype == BF16 ? 2 : 4), per_pass = pairs ? 2 : PACK_NO;
+        const int64_t block_bytes = n * (pairs ? 2 * KP : K) * (wdtype == BF16 ? 2 : 4), per_pass = pairs ? 2 : PACK_NO;
         const int64_t groups = (B + PACK_ROWS - 1) / PACK_ROWS, passes = (blocks + per_pass - 1) / per_pass;
         const int64_t steps = pairs ? KP : K, pf_step = (per_pass * block_bytes / groups + steps - 1) / steps;
         const int64_t last = amx ? 0 : passes;
@@ -603,7 +608,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
                 }
 #endif
                 const float *xb = (const float *)xc + m0 * K;
-                const void *wb = at(wp, ob * K * VLEN, dtype);
+                const void *wb = at(wp, ob * K * VLEN, wdtype);
                 float *yb = yf + m0 * OP + ob * n;
                 /* constant dtype, rows and blocks in each call: no branch is left in the loop */
 #define CALL_F32(M) (no == 3   ? packed_block(xb, K, wb, F32, yb, OP, M, PACK_NO, pf, pf_step) \
@@ -612,7 +617,7 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
 #define CALL_BF16(M) (no == 3   ? packed_block(xb, K, wb, BF16, yb, OP, M, PACK_NO, pf, pf_step) \
                       : no == 2 ? packed_block(xb, K, wb, BF16, yb, OP, M, 2, pf, pf_step)       \
                                 : packed_block(xb, K, wb, BF16, yb, OP, M, 1, pf, pf_step))
-                if (dtype == BF16) {
+                if (wdtype == BF16) {
                     PACK_CASES(CALL_BF16)
                 } else {
                     PACK_CASES(CALL_F32)
@@ -1875,16 +1880,17 @@ static void norm_heads(void *x, int64_t row_stride, int64_t B, int64_t heads, in
      h = h + down(silu(gate) * up),                           gate|up = gate_up(rms_norm(h))
    with pd_linear's prologues and epilogues, pd_rotary_store_attend, and Qwen3's per-head
    norms of q and k between; every intermediate rounded to dtype as the per-op path rounds
-   it. I: the MLP's intermediate size; the step's metadata as pd_rotary_store_attend's. */
+   it. I: the MLP's intermediate size; wdtype: the packed weights' (pd_linear's); the step's
+   metadata as pd_rotary_store_attend's. */
 void pd_step_layers(void *h, int64_t B, const pd_layer *layers, int64_t num_layers, int64_t H, int64_t Hq, int64_t Hk,
-                    int64_t D, int64_t I, float eps, float scale, int dtype, const int64_t *positions,
+                    int64_t D, int64_t I, float eps, float scale, int dtype, int wdtype, const int64_t *positions,
                     const float *cos_sin, const int64_t *slots, int kv_dtype, const int32_t *block_tables,
                     int64_t table_stride, const int32_t *context_lens, int64_t block_size, int nthreads) {
     const int64_t q_size = Hq * D, kv_size = Hk * D, QKV = q_size + 2 * kv_size, size = dtype == BF16 ? 2 : 4;
     char *qkv = malloc(B * QKV * size), *attn = malloc(B * q_size * size), *gate_up = malloc(B * 2 * I * size);
     for (int64_t l = 0; l < num_layers; l++) {
         const pd_layer *L = layers + l;
-        pd_linear(h, LINEAR_RMS_NORM, L->input_norm, eps, L->qkv, L->qkv_bias, NULL, qkv, B, H, QKV, dtype, nthreads);
+        pd_linear(h, LINEAR_RMS_NORM, L->input_norm, eps, L->qkv, L->qkv_bias, NULL, qkv, B, H, QKV, dtype, wdtype, nthreads);
         if (L->q_norm) {
             norm_heads(qkv, QKV, B, Hq, D, L->q_norm, eps, dtype);
             norm_heads(qkv + q_size * size, QKV, B, Hk, D, L->k_norm, eps, dtype);
@@ -1893,9 +1899,9 @@ void pd_step_layers(void *h, int64_t B, const pd_layer *layers, int64_t num_laye
                                positions, cos_sin, slots, L->k_cache, L->v_cache, kv_dtype, block_tables, table_stride,
                                context_lens, B, Hq, Hk, D, block_size, scale, nthreads);
         /* residual == y: the epilogue reads each element before it writes it */
-        pd_linear(attn, LINEAR_PLAIN, NULL, 0.f, L->o_proj, NULL, h, h, B, q_size, H, dtype, nthreads);
-        pd_linear(h, LINEAR_RMS_NORM, L->post_norm, eps, L->gate_up, NULL, NULL, gate_up, B, H, 2 * I, dtype, nthreads);
-        pd_linear(gate_up, LINEAR_SILU_MUL, NULL, 0.f, L->down, NULL, h, h, B, I, H, dtype, nthreads);
+        pd_linear(attn, LINEAR_PLAIN, NULL, 0.f, L->o_proj, NULL, h, h, B, q_size, H, dtype, wdtype, nthreads);
+        pd_linear(h, LINEAR_RMS_NORM, L->post_norm, eps, L->gate_up, NULL, NULL, gate_up, B, H, 2 * I, dtype, wdtype, nthreads);
+        pd_linear(gate_up, LINEAR_SILU_MUL, NULL, 0.f, L->down, NULL, h, h, B, I, H, dtype, wdtype, nthreads);
     }
     free(qkv), free(attn), free(gate_up);
 }

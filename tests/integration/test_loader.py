@@ -9,10 +9,16 @@ import sys
 import pytest
 import torch
 
+from cluster.config import CacheConfig, EngineConfig
 from cluster.cpu_features import detect
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
 from cluster.model.families import UnsupportedModelError
 from cluster.model.linear import Linear
 from cluster.model.loader import ModelLoadError, load_model
+from cluster.testing.random_checkpoint import make_model
+from kernels import cpu
+from tests.unit.test_cpu_kernels import AVX2_FLAGS
 
 
 @pytest.fixture
@@ -66,6 +72,41 @@ def test_dtype_choice(tiny_models):
     fp32 = load_model(tiny_models["qwen2"], dtype="float32").model
     packed = [m.packed_weight is not None for m in fp32.modules() if isinstance(m, Linear)]
     assert packed and all(packed) == torch.backends.mkldnn.is_available()
+
+
+def test_a_bf16_checkpoint_in_fp32_streams_bf16_weights_and_generates_the_same(tmp_path, monkeypatch):
+    """A bf16 checkpoint served in fp32: every linear's C-kernel copy is packed in bf16 (half
+    the bytes a decode step streams) where the kernels multiply fp32 rows by bf16 weights,
+    the AVX2 build here so that this runs on every CPU; widening is exact, so prompts decoded
+    together generate the fp32 copies' tokens and logprobs bit for bit. An fp32 checkpoint's
+    weights stay fp32."""
+    model_dir = make_model("llama", "tiny", tmp_path / "bf16", dtype="bfloat16", seed=3)
+    prompts = [[5 + i, 17, 42 + 3 * i, 9] * (i + 1) for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    cpu.configure(AVX2_FLAGS)
+    try:
+        assert cpu.compact_weights()
+        compact = Engine(EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(memory_gib=0.05)))
+        weights = [m.kernel_weight.data.dtype for m in compact.loaded.model.modules() if isinstance(m, Linear)]
+        assert weights and set(weights) == {torch.bfloat16}
+        expected = compact.generate(prompts, params)
+        compact.close()
+        monkeypatch.setattr(cpu, "compact_weights", lambda: False)
+        plain = Engine(EngineConfig(model=str(model_dir), dtype="float32", cache=CacheConfig(memory_gib=0.05)))
+        weights = [m.kernel_weight.data.dtype for m in plain.loaded.model.modules() if isinstance(m, Linear)]
+        assert set(weights) == {torch.float32}
+        got = plain.generate(prompts, params)
+        plain.close()
+    finally:
+        cpu.configure([])
+    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in expected]
+
+
+def test_an_fp32_checkpoint_keeps_fp32_kernel_weights(tiny_models):
+    """Its weights are not bf16 values: packing them in bf16 would round them."""
+    model = load_model(tiny_models["llama"], dtype="float32").model
+    weights = {m.kernel_weight.data.dtype for m in model.modules() if isinstance(m, Linear) and m.kernel_weight}
+    assert weights == ({torch.float32} if cpu.available() else set())
 
 
 def test_tied_head_shares_the_embedding(tiny_models):

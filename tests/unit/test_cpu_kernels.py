@@ -99,6 +99,37 @@ def test_a_linear_row_does_not_depend_on_the_rows_beside_it(dtype, in_features, 
         assert torch.equal(cpu.linear(x[:rows], packed, None), together[:rows]), rows
 
 
+def test_bf16_holds_exactly_the_fp32_tensors_whose_values_bf16_has():
+    w = torch.randn(48, 64).to(torch.bfloat16).float()
+    assert cpu.bf16_holds(w)
+    w[3, 5] += 2**-20  # one value bf16 rounds
+    assert not cpu.bf16_holds(w)
+    assert not cpu.bf16_holds(torch.randn(4, 4).to(torch.bfloat16))  # a bf16 tensor: not an fp32 one
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 16])
+# one block of the widest ISA's; a pass of 3 blocks of AVX2's fp32 and one more
+@pytest.mark.parametrize("in_features, out_features", [(64, 16), (96, 136)])
+def test_a_compact_weight_computes_what_its_fp32_weight_does(isa, rows, in_features, out_features):
+    """fp32 rows times an fp32 weight that bf16 holds: packed compact (bf16, where the build's
+    bf16 packs as its fp32 does), every output is the fp32-packed weight's bit for bit, with
+    each prologue and epilogue (tests/integration/test_loader.py: a whole model's steps)."""
+    w = (torch.randn(out_features, in_features) / in_features**0.5).to(torch.bfloat16).float()
+    compact, plain = cpu.pack_linear_weight(w, compact=True), cpu.pack_linear_weight(w)
+    assert cpu.compact_weights() == (not cpu.bf16_products())  # bf16 products pack bf16 in pairs
+    assert compact.data.dtype == (torch.bfloat16 if cpu.compact_weights() else torch.float32)
+    assert plain.data.dtype == torch.float32
+    if cpu.compact_weights():
+        assert compact.data.nbytes * 2 == plain.data.nbytes
+    x, bias = torch.randn(rows, in_features), torch.randn(out_features)
+    norm = (torch.rand(in_features) + 0.5, 1e-6)
+    residual = torch.randn(rows, out_features)
+    for kwargs in ({}, {"norm": norm}, {"residual": residual}):
+        assert torch.equal(cpu.linear(x, compact, bias, **kwargs), cpu.linear(x, plain, bias, **kwargs)), kwargs
+    gate_up = torch.randn(rows, 2 * in_features)
+    assert torch.equal(cpu.linear(gate_up, compact, None, silu_mul=True), cpu.linear(gate_up, plain, None, silu_mul=True))
+
+
 def test_linear_takes_a_strided_input():
     x = torch.randn(2, 128)[:, ::2]  # [2, 64], rows 128 apart, not contiguous
     w = torch.randn(32, 64)
