@@ -47,7 +47,8 @@ bf16 without native bf16 takes the C kernel at any row count (oneDNN cannot pack
 and F.linear emulates it 3x slower). A step whose rows the C
 kernel takes also runs all its layers in one C call (cluster/model/cpu_step.py), which
 saves more than oneDNN's lead at a few row counts (fp32 at 16 rows) costs. Each packed copy
-costs one more copy of the weight in memory.
+costs one more copy of the weight in memory (half of one for an fp32 model's compact copy,
+`pack_for_cpu` below).
 bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py):
 without it oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path.
 """
