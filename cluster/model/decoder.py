@@ -13,7 +13,7 @@ from cluster.model import cpu_step
 from cluster.model.attention import Attention, AttentionMetadata
 from cluster.model.embedding import VocabEmbedding
 from cluster.model.families import ModelArch
-from cluster.model.linear import Linear, pack_for_cpu
+from cluster.model.linear import Linear, pack_linears_for_cpu
 from cluster.model.mlp import GatedMLP
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
@@ -82,7 +82,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        pack_for_cpu([module for module in self.modules() if isinstance(module, Linear)])
+        pack_linears_for_cpu([module for module in self.modules() if isinstance(module, Linear)])
 
     @torch.inference_mode()
     def forward(

@@ -48,7 +48,7 @@ and F.linear emulates it 3x slower). A step whose rows the C
 kernel takes also runs all its layers in one C call (cluster/model/cpu_step.py), which
 saves more than oneDNN's lead at a few row counts (fp32 at 16 rows) costs. Each packed copy
 costs one more copy of the weight in memory (half of one for an fp32 model's compact copy,
-`pack_for_cpu` below).
+`pack_linears_for_cpu` below).
 bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py):
 without it oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path.
 """
@@ -118,7 +118,7 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_for_cpu(linears: list[Linear]) -> None:
+def pack_linears_for_cpu(linears: list[Linear]) -> None:
     """Pre-pack a model's linears. An fp32 model whose every linear weight bf16 holds exactly
     (a bf16 checkpoint served in fp32) packs the C kernel's copies compact; all or none, as a
     step's layers take one weight dtype (cluster/model/cpu_step.py)."""

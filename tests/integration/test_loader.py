@@ -78,8 +78,7 @@ def test_a_bf16_checkpoint_in_fp32_streams_bf16_weights_and_generates_the_same(t
     """A bf16 checkpoint served in fp32: every linear's C-kernel copy is packed in bf16 (half
     the bytes a decode step streams) where the kernels multiply fp32 rows by bf16 weights,
     the AVX2 build here so that this runs on every CPU; widening is exact, so prompts decoded
-    together generate the fp32 copies' tokens and logprobs bit for bit. An fp32 checkpoint's
-    weights stay fp32."""
+    together generate the fp32 copies' tokens and logprobs bit for bit."""
     model_dir = make_model("llama", "tiny", tmp_path / "bf16", dtype="bfloat16", seed=3)
     prompts = [[5 + i, 17, 42 + 3 * i, 9] * (i + 1) for i in range(5)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
