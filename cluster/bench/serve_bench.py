@@ -148,8 +148,13 @@ def scrape(base_url: str, api_key: str | None) -> dict[str, float] | None:
         response.raise_for_status()
     except httpx.HTTPError:
         return None
+    return parse_metrics(response.text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """pdserve's series of a Prometheus text exposition: {name{labels}: value}."""
     values: dict[str, float] = {}
-    for line in response.text.splitlines():
+    for line in text.splitlines():
         m = re.match(r"^(pdserve_[a-z_]+)(\{[^}]*\})? (\S+)$", line)
         if m:
             values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
@@ -172,6 +177,11 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
             out[f"{tier}_prefix_cache_hit_rate"] = hit / query
             out[f"{tier}_prefix_cache_hit_tokens"] = hit
             out[f"{tier}_route_predicted_hit_tokens"] = predicted
+        # The engines' own decode-only steps (runner and sampler) over the run: beside the
+        # client's TPOT, what the step took and what serving it added.
+        steps = total("pdserve_engine_step_seconds_count", f'kind="decode",tier="{tier}"')
+        if steps:
+            out[f"{tier}_decode_step_mean_ms"] = 1e3 * total("pdserve_engine_step_seconds_sum", f'kind="decode",tier="{tier}"') / steps
     out["route_fallbacks"] = total("pdserve_route_fallbacks_total")
     for key, value in after.items():  # and by reason, where any (router/placement.py's labels)
         reason = re.fullmatch(r'pdserve_route_fallbacks_total\{reason="([a-z_]+)"\}', key)

@@ -10,9 +10,11 @@ import pytest
 from cluster.bench import datasets
 from cluster.bench.flags import add_serve_flags
 from cluster.bench.openai_client import RequestResult
-from cluster.bench.serve_bench import arrival_times, goodput_slos, server_deltas, summarize, throughput_over_time
+from cluster.bench.serve_bench import arrival_times, goodput_slos, parse_metrics, server_deltas, summarize, throughput_over_time
 from cluster.bench.sweep_compare import LocalTarget, attainment, local_target, parse_target
+from cluster.engine.step_times import StepTimes
 from cluster.tokenizer import Tokenizer
+from router.metrics import GatewayMetrics
 
 
 def args(*extra):
@@ -53,6 +55,28 @@ def test_server_deltas_count_route_fallbacks_by_reason():
     deltas = server_deltas({empty: 1.0, timeout: 2.0}, {empty: 4.0, timeout: 2.0})
     assert deltas["route_fallbacks"] == 3
     assert deltas["route_fallbacks_index_empty"] == 3 and "route_fallbacks_index_timeout" not in deltas
+
+
+def test_server_deltas_give_each_tiers_mean_decode_step_over_the_run():
+    """From the gateway's own /metrics text: only the decode-only steps taken during the
+    run count, per tier; a tier that took none has no figure."""
+    steps = {"prefill": StepTimes(), "decode": StepTimes()}
+    metrics = GatewayMetrics("gw")
+
+    def scraped():
+        stats = {tier: {"w0": {"running": 0, "waiting": 0, "kv_usage": 0.0, "step_seconds": t.snapshot()}}
+                 for tier, t in steps.items()}
+        return parse_metrics(metrics.render(stats, {"prefill": 0, "decode": 0}).decode())
+
+    steps["decode"].observe(1, 0, 5.0)  # before the run
+    before = scraped()
+    steps["decode"].observe(2, 0, 0.020)
+    steps["decode"].observe(2, 0, 0.030)
+    steps["decode"].observe(2, 64, 0.500)  # mixed: not a decode step
+    steps["prefill"].observe(0, 64, 0.100)  # prompt only
+    deltas = server_deltas(before, scraped())
+    assert deltas["decode_decode_step_mean_ms"] == pytest.approx(25.0)
+    assert "prefill_decode_step_mean_ms" not in deltas
 
 
 def test_goodput_flag_is_checked():
