@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="replicas per tier, queue depths and KV usage of a running cluster")
     st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else 'auto')")
-    st.set_defaults(fn=_runs("cluster.serve_main:run_status"))
+    st.set_defaults(fn=_runs("cluster.status:run_status"))
     return p
 
 
@@ -198,16 +198,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    """The errors a user fixes from the message alone: one line, exit status 2. Imported
-    only once a command has failed (their modules import torch and Ray)."""
-    from cluster.errors import InvalidRequestError  # noqa: PLC0415
-    from cluster.model.families import UnsupportedModelError  # noqa: PLC0415
-    from cluster.model.loader import ModelLoadError  # noqa: PLC0415
-    from cluster.serve_main import ServeStartError  # noqa: PLC0415
+# The errors a user fixes from the message alone (one line, exit status 2) beside the
+# built-in ones, by module: their modules import torch or Ray.
+_USER_ERROR_TYPES = (
+    ("cluster.model.checkpoint", "ModelLoadError"),
+    ("cluster.serve_main", "ServeStartError"),
+)
 
-    return (CpuCapabilityError, InvalidRequestError, ModelLoadError, UnsupportedModelError, ServeStartError, FileNotFoundError,
-            ValueError, ConnectionError)
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors a user fixes from the message alone. An error type whose module was never
+    imported cannot have been raised, so only those already imported are looked up: a
+    command that failed before importing torch or Ray does not import them to say so.
+    (InvalidRequestError and UnsupportedModelError are ValueErrors.)"""
+    imported = tuple(getattr(sys.modules[module], name) for module, name in _USER_ERROR_TYPES if module in sys.modules)
+    return (CpuCapabilityError, FileNotFoundError, ValueError, ConnectionError, *imported)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
 INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
 ENGINE_CORES = ("auto", "own", "shared")  # cluster/engine_cores.py
 GGUF_SUFFIX = ".gguf"
+APP_NAME = "pdserve"  # the Serve application `pdserve serve` runs and `pdserve status` asks
 # For every local Ray pdserve starts (deploy/cluster.yaml's `ray start` commands set the
 # same): Ray runs its workers at nice 15 by default, below every ordinary process on the
 # host, so on a CPU node the engines would yield their cores to anything else running

@@ -1,9 +1,8 @@
-"""`pdserve serve` and `pdserve status`: run the Serve application, report on it."""
+"""`pdserve serve`: run the Serve application (`pdserve status` reports on it: cluster/status.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -13,11 +12,10 @@ from pathlib import Path
 
 import ray
 from ray import serve
-from ray.serve.exceptions import RayServeException
 
 from cluster import engine_cores, ingress
 from cluster.app import build_app, grpc_options
-from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
+from cluster.config import APP_NAME, RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, rank_kv_cache_bytes
 from cluster.lifetime import start_reaper
 from cluster.model.builtin import model_or_builtin
@@ -31,9 +29,7 @@ from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
 from router.auth import load_api_keys
 
-APP_NAME = "pdserve"
 STOP_POLL_S = 0.2  # how soon a SIGTERM's stop begins
-STATUS_DEADLINE_S = 5.0  # `pdserve status` lists the replicas heard by then: a hung one must not hang it
 
 
 def config_from_args(args) -> ClusterConfig:
@@ -208,18 +204,3 @@ def _drain() -> None:
         serve.delete(APP_NAME)
     except Exception as e:  # noqa: BLE001 - never deployed, or Serve already gone: nothing to drain
         print(f"drain skipped: {e}", file=sys.stderr)
-
-
-def run_status(args) -> int:
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", include_dashboard=False, log_to_driver=False)
-    try:
-        router = serve.get_app_handle(APP_NAME)
-    except RayServeException as e:  # Ray is up, but no Serve or no pdserve application on it
-        raise ConnectionError(f"no pdserve application on this Ray cluster ({e})") from None
-    stats, silent = router.poll_workers.remote(STATUS_DEADLINE_S).result()
-    print(json.dumps(stats, indent=2))
-    for tier, count in silent.items():
-        if count:
-            print(f"{count} running {tier} replica(s) did not answer within {STATUS_DEADLINE_S:g} s (hung, busy beyond it, or killed)",
-                  file=sys.stderr)
-    return 0

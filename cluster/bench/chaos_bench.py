@@ -32,11 +32,10 @@ from ray import serve
 from cluster.bench.plots import plot_chaos
 from cluster.bench.serve_bench import measure
 from cluster.bench.sweep_compare import local_cluster, local_ray, local_target
-from cluster.config import CacheConfig, EngineConfig, RoutingConfig
+from cluster.config import APP_NAME, CacheConfig, EngineConfig, RoutingConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model.builtin import builtin_model_path
-from cluster.serve_main import APP_NAME
 
 SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM")
 VICTIM_STATS_DEADLINE_S = 3.0  # how long picking a victim waits for the replicas' stats

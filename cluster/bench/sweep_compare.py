@@ -35,10 +35,10 @@ from ray import serve
 from cluster.app import build_app
 from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
-from cluster.config import CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
+from cluster.config import APP_NAME, CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
 from cluster.ports import free_port
 from cluster.redis_server import PrivateRedis
-from cluster.serve_main import APP_NAME, on_this_machine, start_local_ray
+from cluster.serve_main import on_this_machine, start_local_ray
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 

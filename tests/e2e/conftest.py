@@ -17,6 +17,7 @@ from ray import serve
 
 from cluster.app import build_app, grpc_options
 from cluster.config import (
+    APP_NAME,
     CacheConfig,
     ClusterConfig,
     EngineConfig,
@@ -28,7 +29,7 @@ from cluster.config import (
 )
 from cluster.ports import free_port
 from cluster.redis_server import PrivateRedis
-from cluster.serve_main import APP_NAME, start_local_ray
+from cluster.serve_main import start_local_ray
 
 API_KEY = "sk-test-0123456789"
 MODEL_NAME = "tiny-qwen2"

@@ -1,6 +1,7 @@
 """The `pdserve` command line, run as a user would (subprocess, real checkpoint)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,24 @@ def test_parsing_a_command_line_imports_neither_torch_nor_ray():
     assert r.returncode == 0, r.stderr
     help_text = run("--help")
     assert help_text.returncode == 0 and "bench" in help_text.stdout
+
+
+def test_status_and_an_early_error_import_no_torch():
+    """`pdserve status` asks Ray alone (cluster/status.py): torch would double its time.
+    A command that fails before its code is imported (here a bad PDSERVE_CPU_DISABLE)
+    reports it in one line without importing torch or Ray to name the error's type."""
+    heavy = "sorted(m for m in ('torch', 'triton') if m in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", f"import sys, cluster.status; print({heavy})"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    failing = f"import sys; from cluster.cli import main; rc = main(['status']); print(rc, {heavy.replace('triton', 'ray')})"
+    r = subprocess.run([sys.executable, "-c", failing], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PDSERVE_CPU_DISABLE": "no-such-capability"})
+    assert r.stdout.strip() == "2 []", r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "pdserve status: error: PDSERVE_CPU_DISABLE: unknown capabilities ['no-such-capability']; "
+        "known: avx2, avx512, avx512_bf16, amx"
+    ]
 
 
 def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):
