@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-# The errors a user fixes from the message alone (one line, exit status 2) beside the
-# built-in ones, by module: their modules import torch or Ray.
+# The errors a user fixes from the message alone (one line, exit status 2) beyond the
+# built-in ones, as (module, name): cluster.serve_main imports torch and Ray.
 _USER_ERROR_TYPES = (
     ("cluster.model.checkpoint", "ModelLoadError"),
     ("cluster.serve_main", "ServeStartError"),

@@ -178,7 +178,8 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
             out[f"{tier}_prefix_cache_hit_tokens"] = hit
             out[f"{tier}_route_predicted_hit_tokens"] = predicted
         # The engines' own decode-only steps (runner and sampler) over the run: beside the
-        # client's TPOT, what the step took and what serving it added.
+        # client's TPOT, what the step took and what serving it added. (prometheus_client
+        # writes a series' labels sorted by name.)
         steps = total("pdserve_engine_step_seconds_count", f'kind="decode",tier="{tier}"')
         if steps:
             out[f"{tier}_decode_step_mean_ms"] = 1e3 * total("pdserve_engine_step_seconds_sum", f'kind="decode",tier="{tier}"') / steps
