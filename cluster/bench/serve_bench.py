@@ -180,9 +180,10 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
         # The engines' own decode-only steps (runner and sampler) over the run: beside the
         # client's TPOT, what the step took and what serving it added. (prometheus_client
         # writes a series' labels sorted by name.)
-        steps = total("pdserve_engine_step_seconds_count", f'kind="decode",tier="{tier}"')
+        decode_steps = f'kind="decode",tier="{tier}"'
+        steps = total("pdserve_engine_step_seconds_count", decode_steps)
         if steps:
-            out[f"{tier}_decode_step_mean_ms"] = 1e3 * total("pdserve_engine_step_seconds_sum", f'kind="decode",tier="{tier}"') / steps
+            out[f"{tier}_decode_step_mean_ms"] = 1e3 * total("pdserve_engine_step_seconds_sum", decode_steps) / steps
     out["route_fallbacks"] = total("pdserve_route_fallbacks_total")
     for key, value in after.items():  # and by reason, where any (router/placement.py's labels)
         reason = re.fullmatch(r'pdserve_route_fallbacks_total\{reason="([a-z_]+)"\}', key)
