@@ -1,9 +1,7 @@
 """Errors that cross process and tier boundaries: raised in the engine or a worker,
 mapped to HTTP and gRPC statuses by the gateway (router/errors.py). Every tier imports
-them from here, so no tier imports another to recognise a failure."""
-
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+them from here, so no tier imports another to recognise a failure. The engine raises them
+too, so this module imports no Ray: which of them a request survives is cluster/faults.py."""
 
 
 class InvalidRequestError(ValueError):
@@ -32,28 +30,3 @@ class TransferFailedError(RuntimeError):
 
 class StalledError(RuntimeError):
     """A stream made no progress for the stall timeout: its worker is presumed lost."""
-
-
-# Failures of a worker, not of the request: another worker may serve it (and a client
-# that still sees one, past the migration limit, may retry: HTTP 503 / UNAVAILABLE).
-WORKER_FAULTS = (
-    EngineDeadError,
-    KVCacheFullError,
-    TransferFailedError,
-    StalledError,
-    RayActorError,  # the replica died or is unreachable (ActorDiedError, ActorUnavailableError)
-    BackPressureError,
-    DeploymentUnavailableError,
-)
-
-
-def is_worker_fault(e: BaseException) -> bool:
-    e = getattr(e, "cause", None) or e  # a worker's exception arrives wrapped in RayTaskError
-    return isinstance(e, WORKER_FAULTS)
-
-
-def can_migrate(e: BaseException) -> bool:
-    """A worker fault that another worker may recover from; not one the failure policy
-    chose to surface (kv_failure_policy=fail)."""
-    e = getattr(e, "cause", None) or e
-    return is_worker_fault(e) and not isinstance(e, TransferFailedError)

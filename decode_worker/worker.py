@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from cluster.config import EngineConfig, TransportConfig
 from cluster.delta_channel import DeltaSender
 from cluster.engine.outputs import RequestOutput
-from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError, is_worker_fault
+from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError
+from cluster.faults import is_worker_fault
 from cluster.kv.transport import KVTransferError
 from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult, PrefillStarted
 from cluster.routing import RouteHint

@@ -7,7 +7,8 @@ import logging
 
 import grpc
 
-from cluster.errors import InvalidRequestError, is_worker_fault
+from cluster.errors import InvalidRequestError
+from cluster.faults import is_worker_fault
 
 log = logging.getLogger(__name__)
 

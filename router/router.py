@@ -31,7 +31,8 @@ from cluster.delta_channel import DeltaReceiver
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.errors import EngineDeadError, StalledError, can_migrate
+from cluster.errors import EngineDeadError, StalledError
+from cluster.faults import can_migrate
 from cluster.messages import GenerateRequest, PrefillRequest
 from router.metrics import GatewayMetrics
 from router.placement import Placer

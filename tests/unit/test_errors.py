@@ -1,5 +1,8 @@
 """Which failures a request survives by migrating, and which reach the client."""
 
+import subprocess
+import sys
+
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
@@ -9,9 +12,8 @@ from cluster.errors import (
     KVCacheFullError,
     StalledError,
     TransferFailedError,
-    can_migrate,
-    is_worker_fault,
 )
+from cluster.faults import can_migrate, is_worker_fault
 
 
 @pytest.mark.parametrize("error", [ActorDiedError(), ActorUnavailableError("gone", None), EngineDeadError("x"),
@@ -27,3 +29,11 @@ def test_a_transfer_failure_under_policy_fail_reaches_the_client_as_a_fault():
 @pytest.mark.parametrize("error", [InvalidRequestError("bad"), ValueError("bug"), RuntimeError("bug")])
 def test_request_errors_and_bugs_do_not_migrate(error):
     assert not is_worker_fault(error) and not can_migrate(error)
+
+
+def test_the_offline_engine_and_its_errors_import_no_serve():
+    """`pdserve generate` and `bench engine` raise cluster/errors.py's errors without Ray
+    Serve, whose import cost each of them ~1 s: it comes with cluster/faults.py, in the tiers."""
+    code = "import sys, cluster.engine.engine; print([m for m in sys.modules if m.startswith('ray.serve')])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert r.stdout.strip() == "[]"
