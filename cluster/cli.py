@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_runs("cluster.serve_main:run_serve"))
 
     st = sub.add_parser("status", help="replicas per tier, queue depths and KV usage of a running cluster")
-    st.add_argument("--address", help="Ray cluster address, as `pdserve serve` prints it (default: RAY_ADDRESS, else the local one)")
+    st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else 'auto')")
     st.set_defaults(fn=_runs("cluster.status:run_status"))
     return p
 

@@ -176,9 +176,6 @@ def run_serve(args) -> int:
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
         print(f"pdserve is up: {tiers} replicas serving {config.engine.model_id} ({config.engine.model}).", file=sys.stderr)
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
-        # `pdserve status` finds a lone local Ray by itself; with several on this host it
-        # needs the address (Ray's "auto" would pick any one of them).
-        print(f"  Ray: {ray.get_runtime_context().gcs_address} (pdserve status --address ...)", file=sys.stderr)
         print(f"  ingress: {ingress_mode}; auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.",
               file=sys.stderr)
         up = True
