@@ -1,6 +1,7 @@
 """Small helpers the integration and e2e tests share."""
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -24,6 +25,16 @@ def run_all(commands: list[list[str]], timeout_s: float = 300, **popen) -> list[
             if p.poll() is None:  # timed out, or another one did: none outlives the call
                 p.kill()
                 p.wait()
+
+
+def fresh_imports(code: str, modules: tuple[str, ...], env: dict | None = None) -> tuple[list[str], subprocess.CompletedProcess]:
+    """Which of `modules` (a package counts with any of its submodules) a fresh interpreter
+    has imported once `code` ran, and the run itself: start-up costs are in what is imported."""
+    probe = (f"{code}\nimport json as _json, sys as _sys\n"
+             f"print(_json.dumps(sorted(m for m in {modules!r} if any(n == m or n.startswith(m + '.') for n in _sys.modules))))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1]), r
 
 
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.2) -> bool:

@@ -4,13 +4,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import psutil
 
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
-from tests.helpers import PDSERVE, run_all
+from tests.helpers import PDSERVE, fresh_imports, run_all
 
 
 def run(*args):
@@ -36,18 +35,14 @@ def test_make_model_then_generate_json_matches_engine(tmp_path):
 def test_parsing_a_command_line_imports_neither_torch_nor_ray():
     """`pdserve --help` and every subcommand's parser stay fast: each command's code, with
     torch and Ray, is imported only when it runs."""
-    check = (
-        "import sys\n"
+    parse_all = (
         "from cluster.cli import build_parser\n"
         "p = build_parser()\n"
         "for argv in (['bench', 'compare', '--target-a', '1p1d', '--target-b', 'colocated'], ['bench', 'chaos'],"
         " ['bench', 'engine', '--model', 'm'], ['serve'], ['status'], ['make-model', '--out', 'x']):\n"
-        "    p.parse_args(argv)\n"
-        "heavy = sorted(m for m in ('torch', 'ray', 'matplotlib', 'aiohttp') if m in sys.modules)\n"
-        "assert not heavy, heavy\n"
+        "    p.parse_args(argv)"
     )
-    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert fresh_imports(parse_all, ("torch", "ray", "matplotlib", "aiohttp"))[0] == []
     help_text = run("--help")
     assert help_text.returncode == 0 and "bench" in help_text.stdout
 
@@ -56,14 +51,10 @@ def test_status_and_an_early_error_import_no_torch():
     """`pdserve status` asks Ray alone (cluster/status.py): torch would double its time.
     A command that fails before its code is imported (here a bad PDSERVE_CPU_DISABLE)
     reports it in one line without importing torch or Ray to name the error's type."""
-    heavy = "sorted(m for m in ('torch', 'triton') if m in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", f"import sys, cluster.status; print({heavy})"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
-    failing = f"import sys; from cluster.cli import main; rc = main(['status']); print(rc, {heavy.replace('triton', 'ray')})"
-    r = subprocess.run([sys.executable, "-c", failing], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PDSERVE_CPU_DISABLE": "no-such-capability"})
-    assert r.stdout.strip() == "2 []", r.stdout + r.stderr
+    assert fresh_imports("import cluster.status", ("torch", "triton"))[0] == []
+    imported, r = fresh_imports("from cluster.cli import main; print(main(['status']))", ("torch", "ray"),
+                                env={**os.environ, "PDSERVE_CPU_DISABLE": "no-such-capability"})
+    assert imported == [] and r.stdout.splitlines()[0] == "2", r.stdout + r.stderr
     assert r.stderr.strip().splitlines() == [
         "pdserve status: error: PDSERVE_CPU_DISABLE: unknown capabilities ['no-such-capability']; "
         "known: avx2, avx512, avx512_bf16, amx"

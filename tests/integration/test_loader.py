@@ -3,8 +3,6 @@ and loads without torch's compiler stack."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from cluster.model.linear import Linear
 from cluster.model.loader import ModelLoadError, load_model
 from cluster.testing.random_checkpoint import make_model
 from kernels import cpu
+from tests.helpers import fresh_imports
 from tests.unit.test_cpu_kernels import AVX2_FLAGS
 
 
@@ -50,13 +49,8 @@ def test_sharded_checkpoint_loads_every_shard(tiny_models):
 def test_loading_imports_neither_dynamo_nor_sympy(tiny_models, name):
     """Every replica and rank loads a model at start: ops on the `meta` model that go through
     torch's Python references import torch._dynamo and sympy (~4 s of CPU) for nothing."""
-    probe = (
-        "import sys; from cluster.model.loader import load_model; "
-        f"load_model({str(tiny_models[name])!r}, dtype='float32'); "
-        "print([m for m in ('torch._dynamo', 'sympy') if m in sys.modules])"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+    load = f"from cluster.model.loader import load_model; load_model({str(tiny_models[name])!r}, dtype='float32')"
+    assert fresh_imports(load, ("torch._dynamo", "sympy"))[0] == []
 
 
 def test_dtype_choice(tiny_models):

@@ -1,8 +1,5 @@
 """Which failures a request survives by migrating, and which reach the client."""
 
-import subprocess
-import sys
-
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
@@ -14,6 +11,7 @@ from cluster.errors import (
     TransferFailedError,
 )
 from cluster.faults import can_migrate, is_worker_fault
+from tests.helpers import fresh_imports
 
 
 @pytest.mark.parametrize("error", [ActorDiedError(), ActorUnavailableError("gone", None), EngineDeadError("x"),
@@ -34,6 +32,4 @@ def test_request_errors_and_bugs_do_not_migrate(error):
 def test_the_offline_engine_and_its_errors_import_no_serve():
     """`pdserve generate` and `bench engine` raise cluster/errors.py's errors without Ray
     Serve, whose import cost each of them ~1 s: it comes with cluster/faults.py, in the tiers."""
-    code = "import sys, cluster.engine.engine; print([m for m in sys.modules if m.startswith('ray.serve')])"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert r.stdout.strip() == "[]"
+    assert fresh_imports("import cluster.engine.engine", ("ray.serve",))[0] == []

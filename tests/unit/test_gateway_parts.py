@@ -3,8 +3,6 @@ request schemas (strict), gRPC Abort's timing against the task that streams, the
 Redis token bucket against a real redis-server, and what the gateway imports."""
 
 import asyncio
-import subprocess
-import sys
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
@@ -23,6 +21,7 @@ from router.errors import Aborted, BadRequest, GatewayError, NotFound, Overloade
 from router.grpc_serving import GrpcServing
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rate_limit import RateLimiter
+from tests.helpers import fresh_imports
 
 # ---- imports -----------------------------------------------------------------------------
 
@@ -30,10 +29,7 @@ from router.rate_limit import RateLimiter
 def test_the_gateway_imports_no_torch():
     """The gateway relays tokens and text: torch (and what comes with it: triton, sympy)
     would cost each gateway replica seconds of start and hundreds of MB for nothing."""
-    heavy = ("torch", "triton", "sympy")
-    probe = f"import sys, router.gateway; print([m for m in {heavy!r} if m in sys.modules])"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert fresh_imports("import router.gateway", ("torch", "triton", "sympy"))[0] == []
 
 
 # ---- admission ---------------------------------------------------------------------------
