@@ -21,7 +21,7 @@ from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
 from cluster.model.sharding import kv_routes
-from cluster.routing import replica_unique_id, worker_id
+from cluster.routing import RouteHint, replica_unique_id, worker_id
 
 
 class EngineWorker:
@@ -120,8 +120,9 @@ class EngineWorker:
         if self.index is not None:
             self.index.nudge()
 
-    async def stats(self) -> dict:
-        """Queue depths, KV usage, prefix-cache and transfer counters; asserts the block invariant."""
+    async def stats(self, route: RouteHint | None = None) -> dict:
+        """Queue depths, KV usage, prefix-cache and transfer counters; asserts the block
+        invariant. `route` only steers Serve's request router to this replica."""
         return {
             "worker_id": self.worker_id,
             "tier": self.tier,

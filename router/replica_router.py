@@ -8,7 +8,7 @@ counts a new replica as soon as Serve routes to it and stops choosing one being 
                        so a prefix sticks to one replica while the set of replicas is stable
                        and only 1/n of prefixes move when a replica comes or goes
     round_robin        the next replica in id order
-    otherwise          Serve's power of two choices (also for calls without a hint: stats)
+    otherwise          Serve's power of two choices (also for calls without a hint)
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class HintedRequestRouter(PowerOfTwoChoicesRequestRouter):
 
 
 def _hint_of(pending_request: PendingRequest | None) -> RouteHint | None:
+    """The first argument's route (a request message), or the first argument itself (stats)."""
     if pending_request is None or not pending_request.args:
         return None
-    return getattr(pending_request.args[0], "route", None)
+    first = pending_request.args[0]
+    return first if isinstance(first, RouteHint) else getattr(first, "route", None)

@@ -32,8 +32,9 @@ from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import EngineDeadError, StalledError
-from cluster.faults import can_migrate
+from cluster.faults import can_migrate, is_worker_fault
 from cluster.messages import GenerateRequest, PrefillRequest
+from cluster.routing import TIER_DEPLOYMENTS, RouteHint, replica_of
 from router.metrics import GatewayMetrics
 from router.placement import Placer
 
@@ -190,29 +191,45 @@ class Router:
     async def poll_workers(self, deadline_s: float | None = None) -> tuple[dict, dict[str, int]]:
         """({tier: {worker_id: stats}}, {tier: running replicas not heard}).
 
-        A handle cannot address one replica, so each tier is asked until it has heard
-        from as many distinct workers as Serve reports running (a bounded number of
-        calls). A hung replica holds a call until it wakes: with `deadline_s` each tier
-        stops asking then, and one call waits at most STATS_CALL_S, so the others are
-        still asked (Serve routes the next call away from the one it holds).
+        Each replica the request router routes to gets one call aimed at it (RouteHint),
+        all at once: a hung replica holds only its own call, and a busy one has the whole
+        deadline to answer. Left to power of two choices, the calls could all go to the
+        hung replica (its cancelled streams leave it looking the least loaded). Replicas
+        Serve reports running beyond those (the request router's set lags Serve's for a
+        moment) are asked untargeted until heard from, a bounded number of calls. Without
+        `deadline_s` a hung replica holds the poll until it wakes.
         """
         app = serve.status().applications[serve.get_replica_context().app_name]
+        live = self.placer.live_workers()
         tiers = [
-            (tier, handle, app.deployments[name].replica_states.get("RUNNING", 0))
-            for tier, name, handle in (("decode", "DecodeWorker", self.decode), ("prefill", "PrefillWorker", self.prefill))
+            (tier, handle, app.deployments[TIER_DEPLOYMENTS[tier]].replica_states.get("RUNNING", 0))
+            for tier, handle in (("decode", self.decode), ("prefill", self.prefill))
             if handle is not None
         ]
-        heard = await asyncio.gather(*(_hear_from(handle, running, deadline_s) for _, handle, running in tiers))
+        heard = await asyncio.gather(*(
+            _hear_from(handle, [replica_of(w) for w in live.get(tier, ())], running, deadline_s)
+            for tier, handle, running in tiers
+        ))
         stats = {tier: seen for (tier, _, _), seen in zip(tiers, heard)}
         silent = {tier: max(0, running - len(seen)) for (tier, _, running), seen in zip(tiers, heard)}
         return stats, silent
 
 
-async def _hear_from(handle, running: int, deadline_s: float | None) -> dict[str, dict]:
-    """{worker_id: stats} of up to `running` distinct replicas behind `handle`."""
+async def _hear_from(handle, replicas: list[str], running: int, deadline_s: float | None) -> dict[str, dict]:
+    """{worker_id: stats} of `replicas` (one call aimed at each), then of up to `running`
+    distinct replicas behind `handle`. A worker fault leaves its replica unheard."""
     loop = asyncio.get_running_loop()
     end = None if deadline_s is None else loop.time() + deadline_s
     seen: dict[str, dict] = {}
+    aimed = [asyncio.ensure_future(_stats_or_none(handle, RouteHint(replica=r))) for r in replicas]
+    if aimed:
+        done, pending = await asyncio.wait(aimed, timeout=None if end is None else max(0.0, end - loop.time()))
+        for call in pending:
+            call.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for call in done:
+            if (s := call.result()) is not None:  # raises what is not a worker fault: a broken invariant
+                seen[s["worker_id"]] = s
     for _ in range(STATS_CALLS_PER_TIER):
         if len(seen) >= running or (end is not None and loop.time() >= end):
             break
@@ -223,6 +240,15 @@ async def _hear_from(handle, running: int, deadline_s: float | None) -> dict[str
             continue
         seen[s["worker_id"]] = s
     return seen
+
+
+async def _stats_or_none(handle, route: RouteHint) -> dict | None:
+    try:
+        return await handle.stats.remote(route)
+    except Exception as e:
+        if is_worker_fault(e):
+            return None
+        raise
 
 
 def _attempt_id(request_id: str, attempt: int) -> str:
