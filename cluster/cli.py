@@ -9,7 +9,7 @@ import logging
 import sys
 
 from cluster.bench.flags import add_chaos_flags, add_chunk_flag, add_compare_flags, add_serve_flags, add_sweep_flags
-from cluster.config import DTYPES, CacheConfig, EngineConfig
+from cluster.config import DTYPES, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from cluster.cpu_features import CpuCapabilityError, detect
 from cluster.serve_options import add_serve_flags as add_config_flags
 from cluster.testing import ARCHS, SIZES
@@ -59,7 +59,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
-        cache=CacheConfig(memory_gib=args.kv_cache_gib),
+        cache=CacheConfig(memory_gib=args.kv_cache_gib, dtype=args.kv_cache_dtype),
         tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = Engine(config)
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPES, default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-gib", type=float, default=1.0)
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (per tensor-parallel rank)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (processes, or GPUs) the model is split over")
     g.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     be.add_argument("--input-len", type=int, default=256)
     be.add_argument("--output-len", type=int, default=64)
+    be.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     be.add_argument("--batch-sizes", type=_positive_ints, default="1,16")
     be.add_argument("--threads", type=int, default=None, help="torch threads (per tensor-parallel rank)")
     be.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over")

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPE_HELP = "auto: the model's dtype; bfloat16 halves a float32 model's KV memory and attention reads"
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
 INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
@@ -45,6 +47,10 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # The cache's element type (KV_CACHE_DTYPES). bfloat16 under a float32 model halves the
+    # cache's memory and the decode attention's reads, at the cost of rounding each K/V row
+    # once, as it is stored (cluster/engine/runner.py: kv_cache_dtype).
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -53,6 +59,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.memory_gib <= 0:
             raise ValueError(f"memory_gib must be > 0, got {self.memory_gib}")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"the KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from ray import serve
 from cluster import engine_cores, ingress
 from cluster.app import build_app, grpc_options
 from cluster.config import APP_NAME, RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
-from cluster.engine.runner import check_kv_cache_fits, rank_kv_cache_bytes
+from cluster.engine.runner import check_kv_cache_fits, kv_cache_dtype, rank_kv_cache_bytes
 from cluster.lifetime import start_reaper
 from cluster.model.builtin import model_or_builtin
 from cluster.model.checkpoints import open_checkpoint
@@ -65,7 +65,7 @@ def check_model(config: ClusterConfig, on_a_remote_cluster: bool) -> None:
     for size in sorted({t.tensor_parallel_size for t in tiers} - {1}):
         check_divisible(arch, size)
     if not on_a_remote_cluster and config.engine.device == "cpu":  # every replica's cache is on this host
-        dtype = resolve_dtype(config.engine.dtype, arch.torch_dtype, "cpu")
+        dtype = kv_cache_dtype(config.engine.cache, resolve_dtype(config.engine.dtype, arch.torch_dtype, "cpu"))
         total = sum(most_replicas(t) * t.tensor_parallel_size
                     * rank_kv_cache_bytes(config.engine.cache, arch, shard_of(arch, 0, t.tensor_parallel_size), dtype)
                     for t in tiers)

@@ -14,7 +14,17 @@ import types
 import typing
 from dataclasses import dataclass
 
-from cluster.config import DTYPES, ENGINE_CORES, FAILURE_POLICIES, INGRESS_MODES, PLACEMENT_STRATEGIES, ROUTING_POLICIES, ClusterConfig
+from cluster.config import (
+    DTYPES,
+    ENGINE_CORES,
+    FAILURE_POLICIES,
+    INGRESS_MODES,
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    PLACEMENT_STRATEGIES,
+    ROUTING_POLICIES,
+    ClusterConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,7 @@ SERVE_FLAGS = (
     Flag("--max-model-len", ("engine.max_model_len",), "prompt + output tokens per request (default: the model's)"),
     Flag("--enforce-eager", ("engine.enforce_eager",), "GPU: decode steps run eagerly, without CUDA graphs"),
     Flag("--kv-cache-gib", ("engine.cache.memory_gib",), "KV cache per replica"),
+    Flag("--kv-cache-dtype", ("engine.cache.dtype",), KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES),
     Flag("--max-num-batched-tokens", ("engine.scheduler.max_num_batched_tokens",),
          "tokens one engine step computes at most (prompt chunks + decodes)"),
     Flag("--max-step-slowdown", ("engine.scheduler.max_step_slowdown",),

@@ -184,7 +184,7 @@ def run_engine_bench(args) -> int:
             num_threads=args.threads,
             tensor_parallel_size=args.tensor_parallel_size,
             max_model_len=args.input_len + args.output_len + 16,
-            cache=CacheConfig(memory_gib=2.0),
+            cache=CacheConfig(memory_gib=2.0, dtype=args.kv_cache_dtype),
             # Each batch's prompts in one step, uncapped by the decode-latency budget: the
             # engine's own prefill and decode speeds, not the scheduler's interleaving.
             scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len),

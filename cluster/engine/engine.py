@@ -24,7 +24,7 @@ from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.request import Request, RequestStatus
-from cluster.engine.runner import ModelRunner, check_kv_cache_fits, num_kv_blocks, rank_kv_cache_bytes
+from cluster.engine.runner import ModelRunner, check_kv_cache_fits, kv_cache_dtype, num_kv_blocks, rank_kv_cache_bytes
 from cluster.engine.sampler import SampleInput, Sampler
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
@@ -86,17 +86,18 @@ class Engine:
         arch = parse_arch(checkpoint.config())
         dtype = resolve_dtype(config.dtype, arch.torch_dtype, config.device)
         shard = shard_of(arch, 0, config.tensor_parallel_size)  # ShardingError before any rank starts
-        num_blocks = num_kv_blocks(config.cache, arch, shard, dtype)
+        kv_dtype = kv_cache_dtype(config.cache, dtype)
+        num_blocks = num_kv_blocks(config.cache, arch, shard, kv_dtype)
         block_size = config.cache.block_size
         ranks_here = config.tensor_parallel_size if config.device == "cpu" else 1  # on CUDA, a device each
-        check_kv_cache_fits(ranks_here * rank_kv_cache_bytes(config.cache, arch, shard, dtype), config.device)
+        check_kv_cache_fits(ranks_here * rank_kv_cache_bytes(config.cache, arch, shard, kv_dtype), config.device)
         max_model_len = resolve_max_model_len(config.max_model_len, arch)
         if num_blocks * block_size < max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * block_size} tokens, less than one sequence of "
                 f"max_model_len {max_model_len}: give it more memory or lower max_model_len"
             )
-        self.config = config = resolved(config, dtype, num_blocks)
+        self.config = config = resolved(config, dtype, kv_dtype, num_blocks)
         self.ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
         try:
             group = self.ranks.group if self.ranks is not None else SINGLE
@@ -123,7 +124,7 @@ class Engine:
         # all-reduces run through TensorParallelGroup, not captured).
         graphs = torch.device(config.device).type == "cuda" and not config.enforce_eager and self.ranks is None
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device,
-                                  decode_graphs=config.scheduler.max_num_seqs if graphs else 0)
+                                  decode_graphs=config.scheduler.max_num_seqs if graphs else 0, kv_dtype=kv_dtype)
         self.sampler = Sampler()
         self._outputs: dict[str, _OutputState] = {}
         self.finish_counts: Counter[str] = Counter()  # finished requests by finish reason

@@ -23,10 +23,18 @@ from cluster.engine.decode_graphs import DecodeGraphs
 from cluster.engine.scheduler import SchedulerOutput
 from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.families import ModelArch
-from cluster.model.loader import LoadedModel
+from cluster.model.loader import TORCH_DTYPES, LoadedModel
 from cluster.model.sharding import Shard
 from kernels import cpu as cpu_kernels
 from kernels import decode_gather
+
+
+def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The model's dtype unless `cache.dtype` names another. A K/V row is rounded to it once,
+    as it is stored, and every attention reads the stored rows (a prompt's own as well:
+    cluster/model/attention.py), so a token's K/V is the same whether it was computed in
+    this step, an earlier chunk, a cached prefix or another worker."""
+    return model_dtype if cache.dtype == "auto" else TORCH_DTYPES[cache.dtype]
 
 
 def kv_bytes_per_block(arch: ModelArch, shard: Shard, block_size: int, dtype: torch.dtype) -> int:
@@ -75,17 +83,19 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: str = "cpu",
-                 decode_graphs: int = 0):
+                 decode_graphs: int = 0, kv_dtype: torch.dtype | None = None):
         """decode_graphs > 0: decode-only steps of up to that many tokens run through
-        DecodeGraphs (captured here on CUDA; without CUDA, eagerly on its padded buffers)."""
+        DecodeGraphs (captured here on CUDA; without CUDA, eagerly on its padded buffers).
+        kv_dtype: the KV cache's (kv_cache_dtype), the model's by default."""
         self.model = loaded.model
         self.arch = loaded.arch
         self.group = loaded.model.group
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (num_blocks, block_size, loaded.model.shard.num_kv_heads, self.arch.head_dim)
+        kv_dtype = kv_dtype or loaded.dtype
         self.kv_caches = [
-            (torch.zeros(shape, dtype=loaded.dtype, device=device), torch.zeros(shape, dtype=loaded.dtype, device=device))
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in range(self.arch.num_layers)
         ]
         self.decode_graphs = None

@@ -31,7 +31,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RAY_SYSTEM_CONFIG, EngineConfig, TransportConfig
-from cluster.engine.runner import ModelRunner
+from cluster.engine.runner import ModelRunner, kv_cache_dtype
 from cluster.engine_cores import place_engine_thread
 from cluster.errors import RankLostError
 from cluster.host_memory import keep_freed_memory
@@ -69,7 +69,8 @@ class RankWorker:
         )
         loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, self.group)
         self.shard = loaded.model.shard
-        self.runner = ModelRunner(loaded, config.cache.num_blocks, config.cache.block_size, config.device)
+        self.runner = ModelRunner(loaded, config.cache.num_blocks, config.cache.block_size, config.device,
+                                  kv_dtype=kv_cache_dtype(config.cache, loaded.dtype))
 
     # ---- KV transfers: this rank's pieces of a hand-off (cluster/kv/tp_transfer.py) ----
 
@@ -191,7 +192,9 @@ class TensorParallelRanks:
             remove_placement_group(self._own_pg)
 
 
-def resolved(config: EngineConfig, dtype: torch.dtype, num_blocks: int) -> EngineConfig:
-    """`config` with what rank 0 decided for every rank: the dtype and the KV block count."""
-    name = str(dtype).removeprefix("torch.")
-    return dataclasses.replace(config, dtype=name, cache=dataclasses.replace(config.cache, num_blocks=num_blocks))
+def resolved(config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype, num_blocks: int) -> EngineConfig:
+    """`config` with what rank 0 decided for every rank: the dtypes and the KV block count."""
+    def name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+    cache = dataclasses.replace(config.cache, dtype=name(kv_dtype), num_blocks=num_blocks)
+    return dataclasses.replace(config, dtype=name(dtype), cache=cache)

@@ -125,6 +125,8 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k_cache.dtype != k.dtype:  # a prompt attends to its K/V as stored, as its decode and later chunks will
+            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
 
         D = meta.num_decode_tokens
         decoded = None
@@ -153,8 +155,8 @@ class Attention(nn.Module):
             lens = torch.arange(start + 1, seq.context_len + 1, dtype=torch.int32)
             return cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, self.scale)
         if start > 0:  # part of the context is only in the cache: read it back
-            k = k_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]  # [L, Hk, D]
-            v = v_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]
+            k = k_cache[seq.block_ids].flatten(0, 1)[: seq.context_len].to(q.dtype)  # [L, Hk, D]
+            v = v_cache[seq.block_ids].flatten(0, 1)[: seq.context_len].to(q.dtype)
             q_pos = torch.arange(start, seq.context_len, device=q.device)
             mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]  # [Tq, L]
         else:

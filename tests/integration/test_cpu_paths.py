@@ -87,12 +87,14 @@ def kernel_switch(monkeypatch):
     cpu_kernels.configure([])
 
 
-def test_c_kernels_give_the_torch_reference_tokens_in_float32(kernel_switch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_c_kernels_give_the_torch_reference_tokens_in_float32(kernel_switch, kv_cache_dtype):
     """The whole model (the built-in one, float32, greedy) on the C kernels built for this
-    CPU, on the C kernels capped at AVX2, and on torch's reference ops: the same tokens.
-    Prefill steps (more than C_KERNEL_MAX_ROWS rows) take oneDNN's linear, decode steps the
-    C one, beside the other kernels."""
-    engine = Engine.from_pretrained(str(builtin_model_path()), dtype="float32", max_model_len=512, cache=CacheConfig(memory_gib=0.25))
+    CPU, on the C kernels capped at AVX2, and on torch's reference ops: the same tokens,
+    with a float32 KV cache and with a bf16 one. Prefill steps (more than C_KERNEL_MAX_ROWS
+    rows) take oneDNN's linear, decode steps the C one, beside the other kernels."""
+    cache = CacheConfig(memory_gib=0.25, dtype=kv_cache_dtype)
+    engine = Engine.from_pretrained(str(builtin_model_path()), dtype="float32", max_model_len=512, cache=cache)
     prompts = ["Name three rivers of Europe.", "Count from one to ten:", "The capital of Italy is"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -104,6 +106,7 @@ def test_c_kernels_give_the_torch_reference_tokens_in_float32(kernel_switch):
         kernel_switch(capped_at_avx2=capped, on=on)
         assert cpu_kernels.available() == on
         runs[name] = tokens()
-    engine.close()
     assert runs["native"] == runs["reference"] and runs["avx2"] == runs["reference"]
     assert all(len(t) == 32 for t in runs["reference"])
+    assert "Rome" in engine.tokenizer.decode(runs["reference"][2])  # and the answers still make sense
+    engine.close()

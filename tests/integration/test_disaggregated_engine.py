@@ -13,12 +13,12 @@ from cluster.engine.sampling_params import SamplingParams
 BS = 8
 
 
-def make_engine(model_dir):
+def make_engine(model_dir, kv_cache_dtype: str = "auto"):
     return Engine.from_pretrained(
         str(model_dir),
         dtype="float32",
         max_model_len=256,
-        cache=CacheConfig(block_size=BS, num_blocks=96),
+        cache=CacheConfig(block_size=BS, num_blocks=96, dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=32),
     )
 
@@ -79,10 +79,11 @@ PROMPTS = [
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
     SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
 ])
-def test_disaggregated_tokens_equal_colocated(tiny_models, params):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_disaggregated_tokens_equal_colocated(tiny_models, params, kv_cache_dtype):
     model = tiny_models["qwen3"]
-    expected = [c.token_ids for c in make_engine(model).generate(PROMPTS, params)]
-    p_engine, d_engine = make_engine(model), make_engine(model)
+    expected = [c.token_ids for c in make_engine(model, kv_cache_dtype).generate(PROMPTS, params)]
+    p_engine, d_engine = make_engine(model, kv_cache_dtype), make_engine(model, kv_cache_dtype)
     moved = []
     for prompt, want in zip(PROMPTS, expected):
         tokens, num_cached, num_moved = disaggregated(p_engine, d_engine, prompt, params)

@@ -4,6 +4,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.async_engine import AsyncEngine
@@ -216,3 +217,31 @@ def test_a_burst_of_one_prefix_computes_it_once_and_changes_no_token(tiny_llama)
     assert engine.scheduler.prefix_hit_tokens == 2 * (shared // 8 * 8)  # the 2nd and 3rd each hit it
     engine.check_integrity()
     assert engine.pool.num_used_blocks == 0
+
+
+def test_a_bf16_kv_cache_under_float32_holds_twice_the_tokens_and_chunks_and_prefixes_change_no_token(tiny_llama):
+    """--kv-cache-dtype bfloat16 on a float32 model: the same memory holds twice the blocks,
+    and since every attention reads a K/V row as stored (rounded once), a prompt computed in
+    one step, in chunks, or after a cached prefix gives the same tokens."""
+    def build(kv_dtype: str, chunk: int = 512, caching: bool = False) -> Engine:
+        return Engine.from_pretrained(
+            str(tiny_llama), dtype="float32", max_model_len=512,
+            cache=CacheConfig(block_size=8, memory_gib=0.02, dtype=kv_dtype, enable_prefix_caching=caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+        )
+    fp32, bf16 = build("auto"), build("bfloat16")
+    assert (fp32.config.cache.dtype, bf16.config.cache.dtype) == ("float32", "bfloat16")
+    assert bf16.config.cache.num_blocks // 2 == fp32.config.cache.num_blocks
+    assert {t.dtype for pair in bf16.runner.kv_caches for t in pair} == {torch.bfloat16}
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefix = "a system prompt every user of this app sends first " * 4
+    prompts = [prefix + f"then question number {i}" for i in range(3)]
+    one_step = [bf16.generate([p], greedy)[0].token_ids for p in prompts]
+    assert [out.token_ids for out in build("bfloat16", chunk=24).generate(prompts, greedy)] == one_step
+    cached = build("bfloat16", caching=True)
+    assert [cached.generate([p], greedy)[0].token_ids for p in prompts] == one_step
+    assert cached.scheduler.prefix_hit_tokens > 0  # the 2nd and 3rd prompts read the 1st's blocks
+    for engine in (bf16, cached):
+        engine.check_integrity()
+        assert engine.pool.num_used_blocks == 0

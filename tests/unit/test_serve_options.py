@@ -43,6 +43,16 @@ def test_a_step_slowdown_below_one_is_refused():
         config_of("--max-step-slowdown", "0.5")
 
 
+def test_kv_cache_dtype_flag_reaches_every_tier_engine_and_bad_ones_are_refused():
+    config = config_of("--kv-cache-dtype", "bfloat16")
+    assert {config.engine_for(tier).cache.dtype for tier in (config.prefill, config.decode)} == {"bfloat16"}
+    assert config_of().engine.cache.dtype == "auto"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        config_of("--kv-cache-dtype", "float16")
+    with pytest.raises(ValueError, match="KV cache dtype must be one of"):  # Serve YAML args go through the config too
+        from_dict(ClusterConfig, {"engine": {"model": "m", "cache": {"dtype": "int8"}}})
+
+
 def test_ingress_flag_and_its_ray_settings():
     assert config_of().ingress == "auto"
     assert config_of("--ingress", "proxy").ingress == "proxy"
