@@ -156,7 +156,7 @@ def offline_texts(args, requests: list) -> list[str]:
     # a block of slack per request: a prompt's text may re-tokenize a little longer
     blocks = sum(-(-(r.prompt_len + r.output_len) // block_size) + 1 for r in requests)
     engine = Engine(EngineConfig(model=args.local_model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                 cache=CacheConfig(num_blocks=blocks)))
+                                 cache=CacheConfig(num_blocks=blocks, dtype=args.kv_cache_dtype)))
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=args.ignore_eos) for r in requests]
     return [c.text for c in engine.generate([r.prompt for r in requests], params, use_tqdm=not args.disable_tqdm)]
 

@@ -201,6 +201,7 @@ def run_engine_bench(args) -> int:
         "model": args.model,
         "cpu": cpu_summary(),
         "dtype": args.dtype,
+        "kv_cache_dtype": engine.config.cache.dtype,
         "threads": torch.get_num_threads(),
         "tensor_parallel_size": args.tensor_parallel_size,
         "input_len": args.input_len,

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from cluster.bench.datasets import DATASETS
-from cluster.config import INGRESS_MODES, RoutingConfig, SchedulerConfig
+from cluster.config import INGRESS_MODES, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, RoutingConfig, SchedulerConfig
 
 
 def add_serve_flags(p) -> None:
@@ -81,6 +81,7 @@ def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     add_chunk_flag(p)
     p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
                    help="of local engines (0: prompt chunks are not capped while requests decode)")

@@ -156,7 +156,7 @@ def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
     config = ClusterConfig(
         engine=EngineConfig(model=args.local_model, dtype=args.dtype, served_model_name="bench",
                             max_model_len=args.max_model_len,
-                            cache=CacheConfig(memory_gib=args.kv_cache_gib),
+                            cache=CacheConfig(memory_gib=args.kv_cache_gib, dtype=args.kv_cache_dtype),
                             scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk,
                                                       max_step_slowdown=args.max_step_slowdown)),
         prefill=decode if target.colocated else dataclasses.replace(decode, num_replicas=target.prefill),
