@@ -420,6 +420,7 @@ class Engine:
             "receiving": len(s.receiving),
             "held": len(s.held),
             "num_blocks": self.pool.num_blocks,
+            "kv_cache_dtype": self.config.cache.dtype,  # resolved: the model's for auto
             "used_blocks": self.pool.num_used_blocks,
             "kv_usage": self.pool.usage,
             "finished": dict(self.finish_counts),

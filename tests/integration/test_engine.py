@@ -233,6 +233,7 @@ def test_a_bf16_kv_cache_under_float32_holds_twice_the_tokens_and_chunks_and_pre
     assert (fp32.config.cache.dtype, bf16.config.cache.dtype) == ("float32", "bfloat16")
     assert bf16.config.cache.num_blocks // 2 == fp32.config.cache.num_blocks
     assert {t.dtype for pair in bf16.runner.kv_caches for t in pair} == {torch.bfloat16}
+    assert (fp32.checked_stats()["kv_cache_dtype"], bf16.checked_stats()["kv_cache_dtype"]) == ("float32", "bfloat16")
 
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prefix = "a system prompt every user of this app sends first " * 4

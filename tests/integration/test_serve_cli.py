@@ -56,14 +56,15 @@ def stream_text(client, out: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("stop_signal", "ingress", "torch_threads"),
-    [(signal.SIGINT, "auto", 1), (signal.SIGTERM, "proxy", 2)],
-    ids=["SIGINT-default-ingress", "SIGTERM-proxy-ingress"],
+    ("stop_signal", "ingress", "torch_threads", "kv_cache_dtype"),
+    [(signal.SIGINT, "auto", 1, "auto"), (signal.SIGTERM, "proxy", 2, "bfloat16")],
+    ids=["SIGINT-default-ingress", "SIGTERM-proxy-ingress-bf16-kv"],
 )
-def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress, torch_threads):
+def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress, torch_threads, kv_cache_dtype):
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
     0; a stream running at that moment drains: it ends with its finish reason. Through
-    either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies.
+    either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies; the
+    second with a bf16 KV cache under the float32 model, its prompts handed off between tiers.
     Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers; by
     default (`--engine-cores auto`), where every engine thread has a core and the decode
     engine's leave one to spare, the decode engine gets cores of its own, and the prefill
@@ -74,7 +75,7 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
     proc = subprocess.Popen(
         [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file), "--ingress", ingress,
-         "--torch-threads", str(torch_threads)],
+         "--torch-threads", str(torch_threads), "--kv-cache-dtype", kv_cache_dtype],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -101,6 +102,7 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         assert len(stats["prefill"]) == 1 and len(stats["decode"]) == 1
         (decode,) = stats["decode"].values()
         assert decode["used_blocks"] == 0 and decode["num_blocks"] > 0
+        assert decode["kv_cache_dtype"] == {"auto": "float32", "bfloat16": "bfloat16"}[kv_cache_dtype]  # auto: the model's
         # One prefill and one decode replica: through Ray's runtime_env into each worker process.
         wait = waiting_env(2 * torch_threads, usable_cpus())
         ranks = [rank for tier in ("prefill", "decode") for worker in stats[tier].values() for rank in worker["ranks"]]
