@@ -8,8 +8,15 @@ import json
 import logging
 import sys
 
-from cluster.bench.flags import add_chaos_flags, add_chunk_flag, add_compare_flags, add_serve_flags, add_sweep_flags
-from cluster.config import DTYPES, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, CacheConfig, EngineConfig
+from cluster.bench.flags import (
+    add_chaos_flags,
+    add_chunk_flag,
+    add_compare_flags,
+    add_kv_cache_dtype_flag,
+    add_serve_flags,
+    add_sweep_flags,
+)
+from cluster.config import DTYPES, CacheConfig, EngineConfig
 from cluster.cpu_features import CpuCapabilityError, detect
 from cluster.serve_options import add_serve_flags as add_config_flags
 from cluster.testing import ARCHS, SIZES
@@ -121,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPES, default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-gib", type=float, default=1.0)
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    add_kv_cache_dtype_flag(g)
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (per tensor-parallel rank)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (processes, or GPUs) the model is split over")
     g.add_argument("--json", action="store_true", help="last stdout line is a JSON object")
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     be.add_argument("--input-len", type=int, default=256)
     be.add_argument("--output-len", type=int, default=64)
-    be.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    add_kv_cache_dtype_flag(be)
     be.add_argument("--batch-sizes", type=_positive_ints, default="1,16")
     be.add_argument("--threads", type=int, default=None, help="torch threads (per tensor-parallel rank)")
     be.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over")

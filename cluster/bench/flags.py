@@ -74,6 +74,11 @@ def add_chunk_flag(p: argparse.ArgumentParser) -> None:
                    help="max_num_batched_tokens of each engine (default: pdserve serve's)")
 
 
+def add_kv_cache_dtype_flag(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype: of the engines a command starts, as pdserve serve's flag."""
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
+
+
 def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     """How local_cluster builds a local target's engines."""
     p.add_argument("--local-model", help="model directory or .gguf file for local targets")
@@ -81,7 +86,7 @@ def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    add_kv_cache_dtype_flag(p)
     add_chunk_flag(p)
     p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
                    help="of local engines (0: prompt chunks are not capped while requests decode)")

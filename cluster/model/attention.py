@@ -125,7 +125,7 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if k_cache.dtype != k.dtype:  # a prompt attends to its K/V as stored, as its decode and later chunks will
+        if meta.prefills and k_cache.dtype != k.dtype:  # a prompt attends to its K/V as stored, as its decode and later chunks will
             k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
 
         D = meta.num_decode_tokens
