@@ -60,7 +60,8 @@ def add_sweep_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-a", required=True, help="URL, 'colocated[:routing]' or '<P>p<D>d[:routing]'")
+    p.add_argument("--target-a", required=True,
+                   help="URL, 'colocated[:routing]', '<P>p<D>d[:routing]' or 'offline' (an engine in this process)")
     p.add_argument("--target-b", required=True)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
     p.add_argument("--interference-only-b", action="store_true",

@@ -14,7 +14,9 @@ compare  runs the same workload against two targets, alternately for --rounds ro
          that configurations with the same total threads compare (colocated@2 vs 1p1d@1),
          and with /CORES: --engine-cores CORES (auto, own, shared; default auto: whether
          decode engines get cores of their own, cluster/engine_cores.py), e.g. 1p1d@1 vs
-         1p1d@1/shared.
+         1p1d@1/shared. Or offline[@T]: one engine in this process, no server
+         (cluster/bench/offline_target.py), e.g. colocated@2 vs offline@2 for served TPOT over
+         the offline step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import ray
 from ray import serve
 
 from cluster.app import build_app
+from cluster.bench.offline_target import offline_target, run_offline
 from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
 from cluster.config import APP_NAME, CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
@@ -121,10 +124,10 @@ def parse_target(spec: str):
     """A URL, or a local configuration (see the module docstring)."""
     if spec.startswith(("http://", "https://")):
         return spec
-    if local_target(spec) is None:
-        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads][/cores]' or "
-                         "'<P>p<D>d[:routing][@threads][/cores]' (e.g. 1p1d, 2p1d:round_robin, colocated@2, "
-                         "2colocated@1, 1p1d@1/shared)")
+    if local_target(spec) is None and offline_target(spec) is None:
+        raise ValueError(f"target {spec!r}: give a URL, '[N]colocated[:routing][@threads][/cores]', "
+                         "'<P>p<D>d[:routing][@threads][/cores]' or 'offline[@threads]' (e.g. 1p1d, "
+                         "2p1d:round_robin, colocated@2, 2colocated@1, 1p1d@1/shared, offline@2)")
     return spec
 
 
@@ -176,22 +179,25 @@ def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
 
 def run_compare(args) -> int:
     a_spec, b_spec = parse_target(args.target_a), parse_target(args.target_b)
-    local = [s for s in (a_spec, b_spec) if not s.startswith("http")]
-    if local and not args.local_model:
-        raise ValueError("local targets need --local-model MODEL_DIR")
+    local = [s for s in (a_spec, b_spec) if local_target(s)]
+    if (local or offline_target(a_spec) or offline_target(b_spec)) and not args.local_model:
+        raise ValueError("local and offline targets need --local-model MODEL_DIR")
     runs: dict[str, list[dict]] = {"A": [], "B": []}
     with local_ray(args) if local else nullcontext():
         for round_ in range(args.rounds):
             for label, spec in (("A", a_spec), ("B", b_spec)):
                 print(f"round {round_ + 1}/{args.rounds}: {label} = {spec}")
+                run_args = copy.copy(args)
+                # New prompts each round, the same for A and B: a target that lives across
+                # rounds (a URL) must not find last round's prompts in its prefix cache.
+                run_args.seed = args.seed + round_
+                if label == "A" and args.interference_only_b:
+                    run_args.interference_rate = 0.0  # B's figures over A's: what the interference costs
+                if offline_target(spec):
+                    runs[label].append(run_offline(spec, run_args))
+                    continue
                 with (local_cluster(spec, args) if not spec.startswith("http") else nullcontext(spec)) as url:
-                    run_args = copy.copy(args)
                     run_args.base_url = url
-                    # New prompts each round, the same for A and B: a target that lives across
-                    # rounds (a URL) must not find last round's prompts in its prefix cache.
-                    run_args.seed = args.seed + round_
-                    if label == "A" and args.interference_only_b:
-                        run_args.interference_rate = 0.0  # B's figures over A's: what the interference costs
                     run_args.model = None if not spec.startswith("http") else args.model
                     if not spec.startswith("http"):
                         run_args.tokenizer = args.local_model

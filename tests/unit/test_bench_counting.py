@@ -9,6 +9,7 @@ import pytest
 
 from cluster.bench import datasets
 from cluster.bench.flags import add_serve_flags
+from cluster.bench.offline_target import OfflineTarget, offline_target
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.serve_bench import arrival_times, goodput_slos, parse_metrics, server_deltas, summarize, throughput_over_time
 from cluster.bench.sweep_compare import LocalTarget, attainment, local_target, parse_target
@@ -134,8 +135,15 @@ def test_local_targets_name_replicas_routing_threads_and_cores(spec, want):
     assert parse_target(spec) == spec
 
 
-@pytest.mark.parametrize("spec", ["0colocated", "0p1d", "1p0d", "colocated@", "2x1p1d", "p1d", "1p1d/mine", "1p1d/own@1"])
+@pytest.mark.parametrize(("spec", "want"), [("offline", OfflineTarget(None)), ("offline@2", OfflineTarget(2))])
+def test_the_offline_target_names_its_threads(spec, want):
+    assert offline_target(spec) == want and local_target(spec) is None
+    assert parse_target(spec) == spec
+
+
+@pytest.mark.parametrize("spec", ["0colocated", "0p1d", "1p0d", "colocated@", "2x1p1d", "p1d", "1p1d/mine", "1p1d/own@1",
+                                  "offline@0", "offline@", "offline/own", "2offline"])
 def test_a_malformed_target_is_refused_with_the_grammar(spec):
-    assert local_target(spec) is None
+    assert local_target(spec) is None and offline_target(spec) is None
     with pytest.raises(ValueError, match="colocated"):
         parse_target(spec)
