@@ -85,8 +85,8 @@ def closed_loop(engine: Engine, work: list, concurrency: int, ignore_eos: bool) 
         while waiting and len(running) < concurrency:
             i = waiting.pop(0)
             params = SamplingParams(max_tokens=work[i].output_len, temperature=0.0, ignore_eos=ignore_eos)
+            results[i].start = time.perf_counter()  # before the prompt's tokenization, as a client's send
             running[engine.add_request(work[i].prompt, params)] = i
-            results[i].start = time.perf_counter()
 
     admit()
     while running:
