@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, EngineConfig
-from cluster.cpu_features import detect
+from cluster.cpu_features import DISABLE_ENV, compiler_isa_flags, detect
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model.families import UnsupportedModelError
@@ -76,6 +76,10 @@ def test_a_bf16_checkpoint_in_fp32_streams_bf16_weights_and_generates_the_same(t
     model_dir = make_model("llama", "tiny", tmp_path / "bf16", dtype="bfloat16", seed=3)
     prompts = [[5 + i, 17, 42 + 3 * i, 9] * (i + 1) for i in range(5)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    # AVX-512 forced off as PDSERVE_CPU_DISABLE does it: each model load builds the kernels
+    # for what detect() reports (on an AVX-512 CPU, configuring AVX2 alone was undone there).
+    monkeypatch.setenv(DISABLE_ENV, "avx512")
+    detect.cache_clear()
     cpu.configure(AVX2_FLAGS)
     try:
         assert cpu.compact_weights()
@@ -91,7 +95,9 @@ def test_a_bf16_checkpoint_in_fp32_streams_bf16_weights_and_generates_the_same(t
         got = plain.generate(prompts, params)
         plain.close()
     finally:
-        cpu.configure([])
+        monkeypatch.undo()
+        detect.cache_clear()
+        cpu.configure(compiler_isa_flags(detect()))
     assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in expected]
 
 
