@@ -7,7 +7,15 @@ import argparse
 import os
 
 from cluster.bench.datasets import DATASETS
-from cluster.config import INGRESS_MODES, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, RoutingConfig, SchedulerConfig
+from cluster.config import (
+    INGRESS_MODES,
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    RoutingConfig,
+    SchedulerConfig,
+)
 
 
 def add_serve_flags(p) -> None:
@@ -92,6 +100,17 @@ def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
                    help="of local engines (0: prompt chunks are not capped while requests decode)")
     p.add_argument("--torch-threads", type=int, default=1, help="per local worker replica")
+
+
+def local_engine_config(args, **fields) -> EngineConfig:
+    """The engine of a local target's replica, or of the offline target, from the flags
+    add_local_target_flags declares (`fields`: the EngineConfig fields they do not set)."""
+    return EngineConfig(
+        model=args.local_model, dtype=args.dtype, max_model_len=args.max_model_len,
+        cache=CacheConfig(memory_gib=args.kv_cache_gib, dtype=args.kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk, max_step_slowdown=args.max_step_slowdown),
+        **fields,
+    )
 
 
 def add_chaos_flags(p) -> None:

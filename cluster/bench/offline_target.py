@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from cluster.bench import datasets
+from cluster.bench.flags import local_engine_config
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.serve_bench import summarize
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 
@@ -54,14 +54,13 @@ def run_offline(spec: str, args) -> dict:
         raise ValueError("the offline target sends no --interference-* load (--interference-only-b with offline as A)")
     threads = target.threads or args.torch_threads
     torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(
-        model=args.local_model, dtype=args.dtype, num_threads=threads, max_model_len=args.max_model_len,
-        cache=CacheConfig(memory_gib=args.kv_cache_gib, dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk, max_step_slowdown=args.max_step_slowdown),
-    ))
-    work = datasets.load(args, engine.tokenizer)
-    results, duration = closed_loop(engine, work, args.max_concurrency or len(work), args.ignore_eos)
-    decode = engine.checked_stats()["step_seconds"]["decode"]  # checked: every block freed, invariants hold
+    engine = Engine(local_engine_config(args, num_threads=threads))
+    try:
+        work = datasets.load(args, engine.tokenizer)
+        results, duration = closed_loop(engine, work, args.max_concurrency or len(work), args.ignore_eos)
+        decode = engine.checked_stats()["step_seconds"]["decode"]  # checked: every block freed, invariants hold
+    finally:
+        engine.close()
     steps = decode["buckets"][-1]
     return {
         "base_url": spec,

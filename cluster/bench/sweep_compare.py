@@ -35,10 +35,11 @@ import ray
 from ray import serve
 
 from cluster.app import build_app
+from cluster.bench.flags import local_engine_config
 from cluster.bench.offline_target import offline_target, run_offline
 from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
-from cluster.config import APP_NAME, CacheConfig, ClusterConfig, EngineConfig, RoutingConfig, SchedulerConfig, TierConfig
+from cluster.config import APP_NAME, ClusterConfig, RoutingConfig, TierConfig
 from cluster.ports import free_port
 from cluster.redis_server import PrivateRedis
 from cluster.serve_main import on_this_machine, start_local_ray
@@ -157,11 +158,7 @@ def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
     threads = target.threads or args.torch_threads
     decode = TierConfig(num_replicas=target.decode, num_cpus=0.5, torch_threads=threads)
     config = ClusterConfig(
-        engine=EngineConfig(model=args.local_model, dtype=args.dtype, served_model_name="bench",
-                            max_model_len=args.max_model_len,
-                            cache=CacheConfig(memory_gib=args.kv_cache_gib, dtype=args.kv_cache_dtype),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk,
-                                                      max_step_slowdown=args.max_step_slowdown)),
+        engine=local_engine_config(args, served_model_name="bench"),
         prefill=decode if target.colocated else dataclasses.replace(decode, num_replicas=target.prefill),
         decode=decode,
         router=TierConfig(num_cpus=0.1),
