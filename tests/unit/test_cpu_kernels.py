@@ -25,11 +25,15 @@ AVX2_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx
 SSE_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx2"})))  # x86-64 without AVX
 # The builds every test runs on: for this CPU (as this process may use it: PDSERVE_CPU_DISABLE
 # caps it, so that a suite run with avx512 off tests what an AVX2-only CPU runs), capped at
-# AVX2, without AVX (4-lane vectors), and on an AMX CPU also without AMX (as on an AMD EPYC
-# with AVX-512-BF16), so each code path of the C file runs here.
+# AVX2, without AVX (4-lane vectors), on an AMX CPU also without AMX (as on an AMD EPYC with
+# AVX-512-BF16), and on an AVX-512-BF16 CPU also without bf16 products (as on an Intel Xeon
+# before Cooper Lake: bf16 weights widened to fp32, 16 lanes), so each code path of the C file
+# runs here.
 ISA_BUILDS = {"native": compiler_isa_flags(detect()), "AVX2": AVX2_FLAGS, "SSE": SSE_FLAGS}
 if features_from_flags(cpu_flags(), frozenset()).amx:
     ISA_BUILDS["no AMX"] = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"amx"})))
+if features_from_flags(cpu_flags(), frozenset()).avx512_bf16:
+    ISA_BUILDS["no BF16"] = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx512_bf16"})))
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +69,7 @@ def test_the_build_follows_the_isa_cap(isa):
     has_amx = detect().amx and isa == "native"
     assert ("tdpbf16ps" in code) == has_amx  # AMX tiles exactly where the CPU has them and they are not forced off
     assert cpu.amx_tiles() == has_amx
-    has_bf16_products = detect().avx512_bf16 and isa not in ("AVX2", "SSE")
+    has_bf16_products = detect().avx512_bf16 and isa not in ("AVX2", "SSE", "no BF16")
     assert ("vdpbf16ps" in code) == has_bf16_products == cpu.bf16_products()
 
 
