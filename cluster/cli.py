@@ -6,6 +6,8 @@ import argparse
 import importlib
 import json
 import logging
+import os
+import signal
 import sys
 
 from cluster.bench.flags import (
@@ -199,7 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("cluster").setLevel(logging.INFO)
     try:
         detect()  # a bad PDSERVE_CPU_DISABLE is a one-line error too
-        return args.fn(args)
+        status = args.fn(args)
+        sys.stdout.flush()  # here, where a reader gone is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The reader stopped early (`pdserve status | head`): no error to report. stdout goes
+        # nowhere from now on, so that the interpreter's flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # as a process that SIGPIPE ended
     except Exception as e:
         if not isinstance(e, _user_errors()):
             raise

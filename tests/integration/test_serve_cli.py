@@ -4,6 +4,7 @@ tiers up; `pdserve status` reports them; Ctrl-C stops everything."""
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -103,6 +104,10 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         (decode,) = stats["decode"].values()
         assert decode["used_blocks"] == 0 and decode["num_blocks"] > 0
         assert decode["kv_cache_dtype"] == {"auto": "float32", "bfloat16": "bfloat16"}[kv_cache_dtype]  # auto: the model's
+        # A reader that stops before the output comes (`pdserve status | head`) is no error.
+        piped = subprocess.run(f"{shlex.join(PDSERVE)} status | head -c 0", shell=True, capture_output=True, text=True,
+                               timeout=120)
+        assert "error" not in piped.stderr.lower() and "Traceback" not in piped.stderr, piped.stderr
         # One prefill and one decode replica: through Ray's runtime_env into each worker process.
         wait = waiting_env(2 * torch_threads, usable_cpus())
         ranks = [rank for tier in ("prefill", "decode") for worker in stats[tier].values() for rank in worker["ranks"]]
