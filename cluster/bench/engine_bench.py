@@ -61,13 +61,30 @@ def measure_matmul_flops(rows: int, arch, dtype: torch.dtype, repeats: int = 5) 
     return 2 * rows * arch.hidden_size * arch.intermediate_size / best
 
 
+def layer_params(engine: Engine) -> int:
+    """The layers' matmul weights (each multiplies every token once); the LM head apart."""
+    return sum(p.numel() for name, p in engine.loaded.model.named_parameters() if ".layers." in name and p.dim() == 2)
+
+
 def prefill_flops(engine: Engine, batch: int, input_len: int) -> float:
     """Matmul FLOPs of prefilling `batch` prompts: every layer weight once per token,
     the LM head once per prompt (only the last row is sampled), causal attention."""
     arch = engine.loaded.arch
-    layer_params = sum(p.numel() for name, p in engine.loaded.model.named_parameters() if ".layers." in name and p.dim() == 2)
     attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * input_len * (input_len + 1)  # QK^T and PV, causal half
-    return batch * (2 * layer_params * input_len + attention + 2 * arch.hidden_size * arch.vocab_size)
+    return batch * (2 * layer_params(engine) * input_len + attention + 2 * arch.hidden_size * arch.vocab_size)
+
+
+def decode_step_bound_ms(engine: Engine, batch: int, context: float, wbytes: int, bandwidth: float,
+                         matmul_flops: float) -> float:
+    """The least a decode step of `batch` rows, `context` cached tokens each, can take here:
+    its linears at the slower of reading the weights and their FMAs at torch.matmul's FLOP/s,
+    then the attention reading every row's KV cache (the two run one after the other). At
+    batch 1 the weights' read is all of it; at a batch whose FMAs outlast it (fp32 on AVX2),
+    the step cannot keep the batch-1 step's time, however good the kernels."""
+    arch = engine.loaded.arch
+    kv_token_bytes = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * getattr(torch, engine.config.cache.dtype).itemsize
+    linear_flops = 2 * batch * (layer_params(engine) + arch.hidden_size * arch.vocab_size)
+    return 1e3 * (max(wbytes / bandwidth, linear_flops / matmul_flops) + batch * context * kv_token_bytes / bandwidth)
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -236,6 +253,9 @@ def run_engine_bench(args) -> int:
         run = {"batch_size": b, "rounds": args.rounds}
         run.update({system: median_of(rs) for system, rs in rounds[b].items() if rs})
         run["pdserve"]["prefill_gflops"] = prefill_flops(engine, b, args.input_len) / run["pdserve"]["prefill_s"] / 1e9
+        # at the decode steps' mean context
+        run["step_bound_ms"] = decode_step_bound_ms(engine, b, args.input_len + (args.output_len - 1) / 2, wbytes, bandwidth,
+                                                    matmul_flops)
         if b != first:  # the median of the rounds' ratios, each of two runs side by side
             pairs = zip(rounds[b]["pdserve"], rounds[first]["pdserve"])
             run["pdserve"]["step_over_first_batch"] = statistics.median(
@@ -256,6 +276,8 @@ def run_engine_bench(args) -> int:
                 f"{r['decode_step_ms_mean'] / roofline_ms:>10.2f} {r['decode_throughput']:>12.1f} "
                 f"{r['output_throughput']:>11.1f} {r['prefill_s']:>9.2f}"
             )
+        print(f"{'':>5} step bound {run['step_bound_ms']:.1f} ms (weights or FMAs, then KV): pdserve at "
+              f"{run['pdserve']['decode_step_ms_mean'] / run['step_bound_ms']:.2f}x")
         if "step_over_first_batch" in run["pdserve"]:
             print(f"{'':>5} pdserve step is {run['pdserve']['step_over_first_batch']:.2f}x batch {first}'s "
                   f"(median of {args.rounds} rounds' ratios)")

@@ -93,6 +93,10 @@ def plot_engine_bench(results: dict, path: Path) -> None:
         xs = [j + i * width for j in range(len(runs))]
         ax.bar(xs, [r[system]["decode_step_ms_mean"] if r.get(system) else 0 for r in runs], width, label=system)
     ax.axhline(results["roofline_step_ms"], color="k", linestyle="--", label="bandwidth roofline")
+    if all("step_bound_ms" in r for r in runs):  # results written before it have none
+        for j, r in enumerate(runs):
+            ax.hlines(r["step_bound_ms"], j - width / 2, j + width * (len(systems) - 0.5), color="#c44e52",
+                      label="step bound (weights or FMAs, then KV)" if j == 0 else None)
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(runs))])
     ax.set_xticklabels([f"batch {r['batch_size']}" for r in runs])
     ax.set_ylabel("ms per decode step (lower is better)")

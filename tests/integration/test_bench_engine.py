@@ -22,6 +22,9 @@ def test_bench_engine_writes_consistent_results(tmp_path, tiny_llama):
         assert ours["prefill_s"] <= ours["total_s"]
         assert ours["prefill_gflops"] > 0
         assert run["transformers"]["decode_step_ms_mean"] > 0
+    # the bound: batch 1's at least the weights' read, and more rows never lower it
+    bound_one, bound_three = (run["step_bound_ms"] for run in data["runs"])
+    assert data["roofline_step_ms"] < bound_one <= bound_three
     one, three = (run["pdserve"] for run in data["runs"])
     assert "step_over_first_batch" not in one
     # of one round: the ratio of that round's two runs
