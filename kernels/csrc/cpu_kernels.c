@@ -155,6 +155,8 @@ static inline vecf load_vec(const void *p, int dtype) {
     vecf f;
 #if VLEN == 16
     if (dtype == BF16) return (vecf)widen_bf16(_mm256_loadu_si256((const __m256i *)p));
+#elif VLEN == 8 && defined(__AVX2__)
+    if (dtype == BF16) return (vecf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 #endif
     if (dtype == BF16) {
         vech h;
@@ -961,14 +963,14 @@ static inline __attribute__((always_inline)) __m256 sums8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* s[0..8) = q . k_j for the 8 fp32 cache rows k_j (row apart from k), D a multiple of 8. */
-static inline __attribute__((always_inline)) void eight_scores(float *s, const float *q, const float *k, int64_t row,
-                                                               int64_t D) {
+/* s[0..8) = q . k_j for the 8 cache rows k_j (dtype, row apart from k), D a multiple of 8. */
+static inline __attribute__((always_inline)) void eight_scores(float *s, const float *q, const void *k, int64_t row,
+                                                               int64_t D, const int dtype) {
     __m256 dot[8];
     for (int j = 0; j < 8; j++) dot[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) dot[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * row + d), dot[j]);
+        for (int j = 0; j < 8; j++) dot[j] = _mm256_fmadd_ps(qv, (__m256)load_vec(at(k, j * row + d, dtype), dtype), dot[j]);
     }
     _mm256_storeu_ps(s, sums8(dot));
 }
@@ -1047,10 +1049,10 @@ static inline __attribute__((always_inline)) void attend_pass(int values, float 
                     const float *qh = qf + (r * nq + hq) * D;
                     int64_t j = 0;
 #if VLEN == 8
-                    if (dtype == F32 && D % 8 == 0) /* AVX2: 8 rows' scores at a time, head by head */
+                    if (D % 8 == 0) /* AVX2: 8 rows' scores at a time, head by head */
                         for (; j + 8 <= nr; j += 8)
                             for (int i = 0; i < heads; i++)
-                                eight_scores(sh + i * Lmax + j, qh + i * D, (const float *)at(kv, j * row, F32), row, D);
+                                eight_scores(sh + i * Lmax + j, qh + i * D, at(kv, j * row, dtype), row, D, dtype);
 #endif
                     for (; j < nr; j++) {
 #define SCORES(H) head_scores(sh + j, Lmax, qh, at(kv, j * row, dtype), D, H, dtype)

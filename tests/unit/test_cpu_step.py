@@ -200,8 +200,9 @@ def test_a_deep_prompt_chunk_stays_in_one_call_where_attention_multiplies_bf16(t
     seq = PrefillSeq(query_start=0, query_len=16, context_len=16 * 65, block_ids=torch.arange(65))
     meta = AttentionMetadata(torch.arange(16), 0, torch.zeros(0, 65, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), (seq,))
     h16 = torch.zeros(16, model.arch.hidden_size, dtype=torch.bfloat16)
-    capped_below_avx512 = bool({"-mno-avx512f", "-mno-avx"} & set(cpu.isa_flags()))  # the AVX2 or SSE build
-    assert cpu.bf16_products() == (detect().native_bf16 and not capped_below_avx512)  # the build under test's
+    # the AVX2, SSE or no-bf16 build
+    capped_below_bf16 = bool({"-mno-avx512f", "-mno-avx", "-mno-avx512bf16"} & set(cpu.isa_flags()))
+    assert cpu.bf16_products() == (detect().native_bf16 and not capped_below_bf16)  # the build under test's
     assert cpu_step.applies(model, h16, meta, kv) == cpu.bf16_products()
 
 
