@@ -272,13 +272,14 @@ static int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; 
 #define TILE_PAIRS 16 /* k pairs in an AMX weight tile: 16 rows of 64 bytes */
 static int64_t packed_pairs(int64_t K) { return round_up(K, 2 * TILE_PAIRS) / 2; }
 
-/* Elements the packed weight takes, and the layout's name: its block width, plus 1000 when
-   k comes in pairs (kernels/cpu.py checks it: a library built for another ISA packs
-   differently). */
 /* k per block of the packed weight: K padded as the layout pads it. */
 static int64_t packed_k(int64_t K, int dtype) {
     return PAIRS(dtype) ? 2 * packed_pairs(K) : WIDENED_PAIRS(dtype) ? round_up(K, 2) : K;
 }
+
+/* Elements the packed weight takes, and the layout's name: its block width, plus 1000 when
+   k comes in pairs, 2000 in widened pairs (kernels/cpu.py checks it: a library built for
+   another ISA packs differently). */
 int64_t pd_packed_linear_numel(int64_t K, int64_t O, int dtype) {
     return round_up(O, PACK_BLOCK(dtype)) * packed_k(K, dtype);
 }
