@@ -26,6 +26,7 @@ from cluster.bench.plots import plot_engine_bench
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.cpu_features import cpu_summary
 from cluster.engine.engine import Engine
+from cluster.engine.runner import kv_bytes_per_block
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model.linear import Linear
 from kernels import cpu as cpu_kernels
@@ -81,8 +82,8 @@ def decode_step_bound_ms(engine: Engine, batch: int, context: float, wbytes: int
     then the attention reading every row's KV cache (the two run one after the other). At
     batch 1 the weights' read is all of it; at a batch whose FMAs outlast it (fp32 on AVX2),
     the step cannot keep the batch-1 step's time, however good the kernels."""
-    arch = engine.loaded.arch
-    kv_token_bytes = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * getattr(torch, engine.config.cache.dtype).itemsize
+    arch, shard = engine.loaded.arch, engine.loaded.model.shard
+    kv_token_bytes = kv_bytes_per_block(arch, shard, 1, getattr(torch, engine.config.cache.dtype)) * shard.size  # all ranks'
     linear_flops = 2 * batch * (layer_params(engine) + arch.hidden_size * arch.vocab_size)
     return 1e3 * (max(wbytes / bandwidth, linear_flops / matmul_flops) + batch * context * kv_token_bytes / bandwidth)
 

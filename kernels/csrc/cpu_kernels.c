@@ -428,6 +428,15 @@ int pd_amx_tiles(void) {
 #endif
 }
 
+/* acc[m][j] += x[m K + k] w[j] for M rows and NO blocks of a register block. */
+static inline __attribute__((always_inline)) void rows_fma(vecf acc[][PACK_NO], const float *x, int64_t K, int64_t k,
+                                                           const vecf *w, const int M, const int NO) {
+    for (int m = 0; m < M; m++) {
+        const vecf xk = splat(x[m * K + k]);
+        for (int j = 0; j < NO; j++) acc[m][j] = fmadd(acc[m][j], xk, w[j]);
+    }
+}
+
 /* y [M, NO VLEN] (y_stride apart) = x [M, K] (fp32, rows K apart) @ NO blocks of fp32 weights. */
 static inline __attribute__((always_inline)) void packed_block(const float *x, int64_t K, const float *wp, float *y,
                                                                int64_t y_stride, const int M, const int NO,
@@ -439,8 +448,7 @@ static inline __attribute__((always_inline)) void packed_block(const float *x, i
         prefetch_share(pf, k, pf_step);
         vecf wv[PACK_NO];
         for (int j = 0; j < NO; j++) wv[j] = load_vec(wp + (j * K + k) * VLEN, F32);
-        for (int m = 0; m < M; m++)
-            for (int j = 0; j < NO; j++) acc[m][j] = fmadd(acc[m][j], splat(x[m * K + k]), wv[j]);
+        rows_fma(acc, x, K, k, wv, M, NO);
     }
     for (int m = 0; m < M; m++)
         for (int j = 0; j < NO; j++) memcpy(y + m * y_stride + j * VLEN, &acc[m][j], sizeof(vecf));
@@ -472,16 +480,10 @@ static inline __attribute__((always_inline)) void widened_block(const float *x, 
         prefetch_share(pf, p, pf_step);
         const int64_t k = 2 * p;
         for (int j = 0; j < NO; j++) w[j] = widen_low(wp + (j * KH + p) * 2 * VLEN);
-        for (int m = 0; m < M; m++) {
-            const vecf xk = splat(x[m * K + k]);
-            for (int j = 0; j < NO; j++) acc[m][j] = fmadd(acc[m][j], xk, w[j]);
-        }
+        rows_fma(acc, x, K, k, w, M, NO);
         if (k + 1 == K) break; /* odd K: the last pair's high halves are padding */
         for (int j = 0; j < NO; j++) w[j] = widen_high(wp + (j * KH + p) * 2 * VLEN);
-        for (int m = 0; m < M; m++) {
-            const vecf xk = splat(x[m * K + k + 1]);
-            for (int j = 0; j < NO; j++) acc[m][j] = fmadd(acc[m][j], xk, w[j]);
-        }
+        rows_fma(acc, x, K, k + 1, w, M, NO);
     }
     for (int m = 0; m < M; m++)
         for (int j = 0; j < NO; j++) memcpy(y + m * y_stride + j * VLEN, &acc[m][j], sizeof(vecf));
@@ -530,11 +532,11 @@ static inline __attribute__((always_inline)) void widened_block_4x3(const float 
 #undef ROW_FMAS
     vecf acc[4][3] = {{(vecf)c00, (vecf)c01, (vecf)c02}, {(vecf)c10, (vecf)c11, (vecf)c12},
                       {(vecf)c20, (vecf)c21, (vecf)c22}, {(vecf)c30, (vecf)c31, (vecf)c32}};
-    if (K % 2) /* the last pair's k; its high halves are padding */
-        for (int j = 0; j < 3; j++) {
-            const vecf wk = widen_low(wp + (j * KH + K / 2) * 2 * VLEN);
-            for (int m = 0; m < 4; m++) acc[m][j] = fmadd(acc[m][j], splat(x[m * K + K - 1]), wk);
-        }
+    if (K % 2) { /* the last pair's k; its high halves are padding */
+        vecf w[3];
+        for (int j = 0; j < 3; j++) w[j] = widen_low(wp + (j * KH + K / 2) * 2 * VLEN);
+        rows_fma(acc, x, K, K - 1, w, 4, 3);
+    }
     for (int m = 0; m < 4; m++)
         for (int j = 0; j < 3; j++) memcpy(y + m * y_stride + j * VLEN, &acc[m][j], sizeof(vecf));
 }
