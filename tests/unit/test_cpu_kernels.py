@@ -256,6 +256,29 @@ def test_a_decode_row_attends_alike_alone_and_in_a_batch(dtype, num_q_heads, num
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 48])  # 48: parts rounded up to whole blocks
+@pytest.mark.parametrize("q_scale", [1.0, 200.0])  # 200: a part's weights can underflow beside another's
+def test_a_long_decode_context_is_attended_in_parts(dtype, block_size, q_scale, two_torch_threads):
+    """A decode row's context past 1024 positions is split into equal parts, work items of
+    their own whose outputs combine by their log-sum-exp: the same attention at 1024 (one
+    part), 1025 and 1100 (two) and 2100 (three) positions and at 30; bit for bit alone and
+    in a batch (alone, a row of one part is split by KV head instead)."""
+    q, k_cache, v_cache, tables, lens = _paged_setup([1100, 1025, 1024, 2100, 30], 9, 3, 64, block_size, dtype,
+                                                     "nan_blocks")
+    q = (q.float() * q_scale).to(dtype)
+    together = cpu.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert not together.isnan().any()
+    want = _naive_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    # Scores of ~600 at q_scale 200: fp32 holds them to ~4e-5, and every weight moves with them
+    # (the attention without parts is off by as much: 3.4e-5 here).
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 and q_scale > 1 else _tol(dtype)
+    torch.testing.assert_close(together.double(), want, **tol)
+    for b in range(len(lens)):
+        alone = cpu.paged_attention_decode(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125)
+        assert torch.equal(alone, together[b : b + 1]), b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_row_is_attended_once_when_threads_claim_items_ahead(dtype, threads):
     """With two items or more per thread, a thread claims its next item before computing the
