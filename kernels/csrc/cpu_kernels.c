@@ -1812,7 +1812,7 @@ static void prefetch_item(const void *k_cache, const void *v_cache, int dtype, c
    log-sum-exp (as flash-decoding splits the KV). Before, a batch-1 decode was an item per KV
    head, 3 for 2 threads, each reading a third of every row. A model's step (smollm2 shapes,
    2 threads, AMD EPYC, builds alternating in one engine) at 1536-1600 positions: batch 1 in
-   fp32 on AVX2 0.85x the time, in bf16 1.00x; batch 8 0.96x and 0.99x. A part costs a little
+   fp32 on AVX2 0.85x the time, in bf16 0.95-1.00x; batch 8 0.96x and 0.99x. A part costs a little
    of its own (its query rotated, its scores set up): parts of 256 took a batch-8 bf16 step at
    800 positions 1.06x the time. A row's parts depend on its own context length alone: its
    result is the same in any batch. */
