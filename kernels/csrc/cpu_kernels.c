@@ -1820,9 +1820,10 @@ static void prefetch_item(const void *k_cache, const void *v_cache, int dtype, c
 
 /* Work item of paged_attention: rows [b0, b0 + R) of one run, with KV heads [h0, h1), over
    positions [p0, p1) of their context (p1: the last row's context length, unless the run is
-   a decode row whose context is split into `parts` > 1 parts; this item is part `part`). */
+   a decode row whose context is split into `parts` > 1 parts; this item is part `part`, and
+   its output goes to the parts' buffers at `slot`, its row's parts at consecutive slots). */
 typedef struct {
-    int64_t b0, R, h0, h1, p0, p1, part, parts;
+    int64_t b0, R, h0, h1, p0, p1, part, parts, slot;
 } attention_item;
 
 /* The positions of each part of a context of L (whole blocks, as equal as they come). */
@@ -1832,23 +1833,25 @@ static int64_t part_size(int64_t L, int64_t block_size) {
 }
 
 /* The items of the runs (in `order`), each run's KV heads split `split` ways, or a decode
-   row's context into parts; returns how many (*out: malloc'd). */
-static int64_t attention_items(attention_item **out, const int64_t *run_start, const int64_t *order, int64_t runs,
-                               int64_t split, int64_t Hk, const int32_t *context_lens, int64_t block_size) {
+   row's context into parts; returns how many (*out: malloc'd), *slots: how many are parts. */
+static int64_t attention_items(attention_item **out, int64_t *slots, const int64_t *run_start, const int64_t *order,
+                               int64_t runs, int64_t split, int64_t Hk, const int32_t *context_lens, int64_t block_size) {
     int64_t n = 0;
     for (int64_t pass = 0; pass < 2; pass++) { /* count, then fill */
         attention_item *items = pass ? malloc((n > 0 ? n : 1) * sizeof(attention_item)) : NULL;
-        n = 0;
+        n = 0, *slots = 0;
         for (int64_t i = 0; i < runs; i++) {
             const int64_t b0 = run_start[order[i]], R = run_start[order[i] + 1] - b0, L = context_lens[b0 + R - 1];
             const int64_t size = R == 1 && L > ATTEND_PART_TOKENS ? part_size(L, block_size) : L;
             const int64_t parts = size < L ? (L + size - 1) / size : 1;
             const int64_t heads = parts > 1 ? 1 : split; /* a part reads whole rows (a head's is a third of each) */
             for (int64_t h = 0; h < heads; h++)
-                for (int64_t p = 0; p < parts; p++, n++)
+                for (int64_t p = 0; p < parts; p++, n++) {
                     if (items)
                         items[n] = (attention_item){b0, R, h * Hk / heads, (h + 1) * Hk / heads, p * size,
-                                                    p + 1 < parts ? (p + 1) * size : L, p, parts};
+                                                    p + 1 < parts ? (p + 1) * size : L, p, parts, parts > 1 ? *slots : -1};
+                    *slots += parts > 1;
+                }
         }
         *out = items;
     }
@@ -1925,12 +1928,11 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
             }
     const int64_t split = runs < nthreads || longest > 1 ? Hk : 1;
     attention_item *work;
-    const int64_t items = attention_items(&work, run_start, order, runs, split, Hk, context_lens, block_size);
-    /* context parts' outputs [items][Hq, D] and log-sum-exps [items][Hq], combined once all are done */
-    int split_contexts = 0;
-    for (int64_t i = 0; i < items; i++) split_contexts |= work[i].parts > 1;
-    float *part_acc = split_contexts ? malloc(items * Hq * D * sizeof(float)) : NULL;
-    float *part_lse = split_contexts ? malloc(items * Hq * sizeof(float)) : NULL;
+    int64_t slots;
+    const int64_t items = attention_items(&work, &slots, run_start, order, runs, split, Hk, context_lens, block_size);
+    /* context parts' outputs [slots][Hq, D] and log-sum-exps [slots][Hq], combined once all are done */
+    float *part_acc = slots ? malloc(slots * Hq * D * sizeof(float)) : NULL;
+    float *part_lse = slots ? malloc(slots * Hq * sizeof(float)) : NULL;
     /* With two items or more per thread, a thread claims its next item before it computes
        the current one and requests the next one's rows meanwhile (next_rows); otherwise a
        thread claims an item whenever it is free (a thread that loses its core then holds
@@ -1953,7 +1955,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
             const int32_t *table = block_tables + b0 * table_stride + it.p0 / block_size;
             /* a context part: its positions alone, its output and log-sum-exps kept for combine_parts */
             const int32_t part_len = (int32_t)L, *lens = it.parts > 1 ? &part_len : context_lens + b0;
-            float *o = it.parts > 1 ? part_acc + item * Hq * D : acc;
+            float *o = it.parts > 1 ? part_acc + it.slot * Hq * D : acc;
             if (L > 0) {
                 if (requested == item)
                     request_next_rows(&next, next.rows); /* what the item before did not request */
@@ -1992,7 +1994,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                         scores = malloc(cap * sizeof(float));
                     }
                     attend(o, qf, q_dtype, scale, scores, k_cache, v_cache, kv_dtype, table, lens, R, block_size, row,
-                           h0, h1, G, D, next.table ? &next : NULL, it.parts > 1 ? part_lse + item * Hq : NULL);
+                           h0, h1, G, D, next.table ? &next : NULL, it.parts > 1 ? part_lse + it.slot * Hq : NULL);
                 }
             } else {
                 memset(acc, 0, R * nq * D * sizeof(float));
@@ -2001,14 +2003,14 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                 store_row(at(out, ((b0 + r) * Hq + h0 * G) * D, q_dtype), acc + r * nq * D, nq * D, q_dtype);
             item = ahead ? following : __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         }
-        if (split_contexts) {
+        if (slots) {
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < items; item++) { /* each split context's first part */
                 const attention_item it = work[item];
                 if (it.parts == 1 || it.part != 0) continue;
                 const int64_t nq = (it.h1 - it.h0) * G;
-                combine_parts(acc, part_acc + item * Hq * D, part_lse + item * Hq, it.parts, Hq * D, nq, D);
+                combine_parts(acc, part_acc + it.slot * Hq * D, part_lse + it.slot * Hq, it.parts, Hq * D, nq, D);
                 store_row(at(out, (it.b0 * Hq + it.h0 * G) * D, q_dtype), acc, nq * D, q_dtype);
             }
         }
