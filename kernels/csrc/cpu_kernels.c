@@ -1844,7 +1844,7 @@ static int64_t attention_items(attention_item **out, int64_t *slots, const int64
             const int64_t b0 = run_start[order[i]], R = run_start[order[i] + 1] - b0, L = context_lens[b0 + R - 1];
             const int64_t size = R == 1 && L > ATTEND_PART_TOKENS ? part_size(L, block_size) : L;
             const int64_t parts = size < L ? (L + size - 1) / size : 1;
-            const int64_t heads = parts > 1 ? 1 : split; /* a part reads whole rows (a head's is a third of each) */
+            const int64_t heads = parts > 1 ? 1 : split; /* a part reads whole rows, not a head's slice of each */
             for (int64_t h = 0; h < heads; h++)
                 for (int64_t p = 0; p < parts; p++, n++) {
                     if (items)
