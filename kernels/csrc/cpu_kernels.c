@@ -1858,18 +1858,18 @@ static int64_t attention_items(attention_item **out, int64_t *slots, const int64
     return n;
 }
 
-/* out [nq, D] = the attention of a row's context from its parts' (acc [parts][stride] each
-   normalized over its own positions, lse [parts][stride / D] their log-sum-exps). */
-static void combine_parts(float *out, const float *acc, const float *lse, int64_t parts, int64_t stride, int64_t nq,
+/* out [nq, D] = the attention of a row's context from its parts' (acc [parts][Hq, D] each
+   normalized over its own positions, lse [parts][Hq] their log-sum-exps; nq heads used). */
+static void combine_parts(float *out, const float *acc, const float *lse, int64_t parts, int64_t Hq, int64_t nq,
                           int64_t D) {
     for (int64_t h = 0; h < nq; h++) {
         float most = -INFINITY, total = 0.f;
-        for (int64_t p = 0; p < parts; p++) most = fmaxf(most, lse[p * stride / D + h]);
+        for (int64_t p = 0; p < parts; p++) most = fmaxf(most, lse[p * Hq + h]);
         memset(out + h * D, 0, D * sizeof(float));
         for (int64_t p = 0; p < parts; p++) {
-            const float w = expf(lse[p * stride / D + h] - most);
+            const float w = expf(lse[p * Hq + h] - most);
             total += w;
-            for (int64_t d = 0; d < D; d++) out[h * D + d] += w * acc[p * stride + h * D + d];
+            for (int64_t d = 0; d < D; d++) out[h * D + d] += w * acc[(p * Hq + h) * D + d];
         }
         for (int64_t d = 0; d < D; d++) out[h * D + d] /= total;
     }
@@ -2010,7 +2010,7 @@ static void paged_attention(void *out, const void *q, int64_t q_stride, int q_dt
                 const attention_item it = work[item];
                 if (it.parts == 1 || it.part != 0) continue;
                 const int64_t nq = (it.h1 - it.h0) * G;
-                combine_parts(acc, part_acc + it.slot * Hq * D, part_lse + it.slot * Hq, it.parts, Hq * D, nq, D);
+                combine_parts(acc, part_acc + it.slot * Hq * D, part_lse + it.slot * Hq, it.parts, Hq, nq, D);
                 store_row(at(out, (it.b0 * Hq + it.h0 * G) * D, q_dtype), acc, nq * D, q_dtype);
             }
         }
