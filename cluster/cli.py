@@ -183,7 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
     add_config_flags(s)
-    s.add_argument("--host", default="127.0.0.1", help="HTTP listen address (0.0.0.0: every interface)")
+    s.add_argument("--host", default="127.0.0.1", help="where the HTTP and gRPC APIs listen (0.0.0.0: every interface; "
+                   "every other port of a local cluster listens on loopback)")
+    s.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without API keys (anyone who reaches it may generate)")
     s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     s.add_argument("--api-key", action="append", help="require this API key (repeatable; also $PDSERVE_API_KEY)")
     s.set_defaults(fn=_runs("cluster.serve_main:run_serve"))

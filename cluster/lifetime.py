@@ -10,6 +10,8 @@ killed outright (kill -9, the OOM killer).
   ~2% of a core between them) stayed for good. So `serve` starts a reaper, a small process
   that notes the driver's descendants every POLL_S and, once the driver is gone, stops
   those still running. A descendant that starts and is orphaned within one poll escapes it.
+  A SIGTERM while the driver lives (a signal to the whole process group) does not start
+  the reaping: the driver is stopping and will say when it is gone.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def start_reaper() -> subprocess.Popen:
     )
 
 
-def _running(process: psutil.Process) -> bool:
+def running(process: psutil.Process) -> bool:
     """Still the same process (psutil compares start times: a reused pid is not it), and not a zombie."""
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
@@ -72,22 +74,26 @@ def reap_after(owner_pid: int) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     owner, me = psutil.Process(owner_pid), os.getpid()
     started: dict[int, psutil.Process] = {}
-    while _running(owner):
+    while running(owner):
         try:
             for child in owner.children(recursive=True):
                 if child.pid != me:
                     started[child.pid] = child  # the latest holder of a pid: an earlier one has ended
         except psutil.Error:  # the owner went while we looked
             break
-        if _owner_signalled(POLL_S):
-            break
-    leftovers = [p for p in started.values() if _running(p)]
+        _owner_signalled(POLL_S)  # the parent-death signal, or a group's SIGTERM: the loop checks which
+    stop_processes(started.values(), STOP_GRACE_S)
+
+
+def stop_processes(processes, grace_s: float) -> None:
+    """SIGTERM to those of `processes` still running, then SIGKILL to any left after `grace_s`."""
+    leftovers = [p for p in processes if running(p)]
     for process in leftovers:
         try:
             process.terminate()
         except psutil.Error:
             pass
-    _, still_running = psutil.wait_procs(leftovers, timeout=STOP_GRACE_S)
+    _, still_running = psutil.wait_procs(leftovers, timeout=grace_s)
     for process in still_running:
         try:
             process.kill()

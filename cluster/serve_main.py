@@ -6,18 +6,24 @@ import dataclasses
 import math
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import ray
 from ray import serve
 
-from cluster import engine_cores, ingress
+from cluster import engine_cores, ingress, local_ray
 from cluster.app import build_app, grpc_options
-from cluster.config import APP_NAME, RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
+from cluster.bind_policy import LOOPBACK, is_loopback
+from cluster.config import APP_NAME, ClusterConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, kv_cache_dtype, rank_kv_cache_bytes
-from cluster.lifetime import start_reaper
+from cluster.lifetime import running, start_reaper, stop_processes
 from cluster.model.builtin import model_or_builtin
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch
@@ -27,9 +33,12 @@ from cluster.openmp import usable_cpus, waiting_env
 from cluster.ports import port_free
 from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
-from router.auth import load_api_keys
+from router.auth import ENV_VAR, load_api_keys
 
-STOP_POLL_S = 0.2  # how soon a SIGTERM's stop begins
+STOP_POLL_S = 0.2  # how often a stop checks on itself
+STOP_MARGIN_S = 10.0  # a stop ends within the longest drain timeout and this (Serve's and Ray's shutdown)
+FORCED_STOP_GRACE_S = 3.0  # a stop cut short: SIGTERM to what is left, SIGKILL after this
+RAY_CORE_PROCESSES = frozenset({"gcs_server", "raylet"})  # a local Ray is gone when one of them is
 
 
 def config_from_args(args) -> ClusterConfig:
@@ -121,18 +130,71 @@ def engine_cores_of(config: ClusterConfig) -> engine_cores.CorePlan | None:
     return engine_cores.plan(tier_threads(config.decode), compute_threads(config), config.engine_cores)
 
 
-def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True) -> str:
-    """Start a local Ray whose Serve reaches its gateways by `ingress_mode`
-    (cluster/ingress.py); returns the resolved mode, "direct" or "proxy"."""
+def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True, api_host: str = LOOPBACK,
+                    api_ports: tuple[int, ...] = ()) -> str:
+    """Start a local Ray (cluster/local_ray.py) whose Serve reaches its gateways by
+    `ingress_mode` (cluster/ingress.py), its proxies serving the API on (api_host,
+    api_ports) in proxy mode; returns the resolved mode, "direct" or "proxy"."""
     with ingress.settings(ingress_mode) as mode:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                 _system_config=dict(RAY_SYSTEM_CONFIG))
+        local_ray.init(num_cpus, api_host, api_ports, log_to_driver=log_to_driver)
     return mode
+
+
+def check_exposure(host: str, config: ClusterConfig, allow_unauthenticated: bool) -> None:
+    """An API reachable from the network needs API keys, or the operator's word that it may go
+    without (a one-line error, exit 2, before anything starts)."""
+    if not is_loopback(host) and not api_key_count(config) and not allow_unauthenticated:
+        raise ValueError(f"--host {host} puts the API on the network: give it API keys (--api-key-file, --api-key or "
+                         f"${ENV_VAR}), or pass --allow-unauthenticated to serve it to anyone who can reach it")
+
+
+def api_key_count(config: ClusterConfig) -> int:
+    """The keys the gateways will accept: the configured ones and the key file's."""
+    gateway = config.gateway
+    return len(load_api_keys(gateway.api_keys, gateway.api_key_file, env={}))
+
+
+def exposure(host: str, config: ClusterConfig, remote: bool) -> str:
+    """What `serve` exposes and how it is protected, in one line."""
+    keys = api_key_count(config)
+    auth = f"API key required ({keys} key{'s' if keys != 1 else ''})" if keys else "none"
+    if remote:
+        return f"auth: {auth}; the API's reach and the cluster's other ports are the Ray cluster's own (deploy/README.md)"
+    reach = "this host only (loopback)" if is_loopback(host) else f"the network ({host})"
+    if not keys and not is_loopback(host):
+        auth += ": anyone who reaches it may generate (--allow-unauthenticated)"
+    return f"API reachable from {reach}, every other port of the cluster on loopback; auth: {auth}"
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM while `serve` starts or serves: the stop begins."""
+
+
+class _Stopping:
+    """The signal handler for SIGINT and SIGTERM. Until the stop begins, a signal raises
+    StopRequested (a start still deploying is cut short; a serving one stops, draining);
+    once it has begun, a signal marks it forced, which ends the drain at once. Neither takes
+    a lock: a handler that did (threading.Event.set does) would deadlock if it interrupted
+    its own thread holding it."""
+
+    def __init__(self):
+        self.signum: int | None = None  # the first stop signal
+        self.begun = False
+        self.forced = False
+
+    def handle(self, signum, _frame) -> None:
+        self.signum = self.signum or signum
+        if self.begun:
+            self.forced = True
+            return
+        self.begun = True
+        raise StopRequested
 
 
 def run_serve(args) -> int:
     config = config_from_args(args)
     address = args.address or os.environ.get("RAY_ADDRESS")
+    check_exposure(args.host, config, args.allow_unauthenticated)
     if not address:  # a local cluster: its proxies bind these ports here
         for what, port in (("HTTP", config.http_port), ("gRPC", config.grpc_port)):
             if port and not port_free(args.host, port):
@@ -143,31 +205,29 @@ def run_serve(args) -> int:
         redis = PrivateRedis()
         config = dataclasses.replace(config, redis_url=redis.url)
         print(f"started a private redis-server at {redis.url}", file=sys.stderr)
-    # SIGTERM asks for the same stop as Ctrl-C. Its handler only appends: a handler that takes
-    # a lock (threading.Event.set does) deadlocks if it interrupts its own thread holding it.
-    stop_signals: list[int] = []
-
-    def request_stop(signum, _frame) -> None:
-        stop_signals.append(signum)
-
-    signal.signal(signal.SIGTERM, request_stop)
+    stopping = _Stopping()
+    signal.signal(signal.SIGTERM, stopping.handle)
+    # Also when started in the background from a script, which inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, stopping.handle)
     up = False
-    # Ctrl-C raises KeyboardInterrupt even when started in the background from a script
-    # (which would otherwise inherit SIGINT as ignored and never stop on it).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ray_core: list[psutil.Process] = []  # a local Ray's GCS and raylet
+    reaper = None
     try:
         # A local Ray gets enough logical CPUs for every replica's reservation; the real
         # use of the cores is bounded by each replica's torch threads.
         if address:
-            ray.init(address=address, include_dashboard=False)
+            local_ray.connect(address)
             ingress_mode = "the cluster's own (deploy/cluster.yaml)"
         else:
-            start_reaper()  # so that even a kill -9 of this process leaves none of the local Ray behind
+            reaper = start_reaper()  # so that even a kill -9 of this process leaves none of the local Ray behind
             config = on_this_machine(config)
-            ingress_mode = start_local_ray(max(os.cpu_count() or 1, math.ceil(cpus_requested(config))), config.ingress)
+            ingress_mode = start_local_ray(max(os.cpu_count() or 1, math.ceil(cpus_requested(config))), config.ingress,
+                                           api_host=args.host, api_ports=(config.http_port, config.grpc_port))
+            ray_core = [p for p in psutil.Process().children(recursive=True) if p.name() in RAY_CORE_PROCESSES]
         # After ray.init: Ray's core installs a fatal-signal handler for SIGTERM that would
         # abort the process after ours ran; replacing it keeps SIGTERM a clean, drained stop.
-        signal.signal(signal.SIGTERM, request_stop)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stopping.handle)
         serve.start(http_options={"host": args.host, "port": config.http_port}, grpc_options=grpc_options(config.grpc_port))
         try:
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -176,24 +236,66 @@ def run_serve(args) -> int:
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
         print(f"pdserve is up: {tiers} replicas serving {config.engine.model_id} ({config.engine.model}).", file=sys.stderr)
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
-        print(f"  ingress: {ingress_mode}; auth: {'API key required' if config.gateway.api_keys else 'none'}. Ctrl-C stops it.",
-              file=sys.stderr)
+        print(f"  {exposure(args.host, config, remote=bool(address))}", file=sys.stderr)
+        print(f"  ingress: {ingress_mode}. Ctrl-C stops it.", file=sys.stderr)
         up = True
-        while not stop_signals:
+        while True:
             time.sleep(STOP_POLL_S)
-    except KeyboardInterrupt:  # Ctrl-C, while serving or still starting: the same clean stop
+    except StopRequested:
         pass
     finally:
+        stopping.begun = True  # a signal from now on cuts the stop short instead of raising inside it
         print("stopping: requests in flight finish first (--drain-timeout-s) ...", file=sys.stderr)
-        try:
-            if ray.is_initialized():
-                _drain()
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            if redis is not None:
-                redis.stop()
-    return 0 if up else 130  # 130: interrupted before it was up, as a shell reports Ctrl-C
+        drain_s = max(t.drain_timeout_s for t in (config.prefill, config.decode, config.router))
+        with _forced_stop_after(drain_s + STOP_MARGIN_S, ray_core, stopping, redis, reaper):
+            try:
+                if ray.is_initialized():
+                    _drain()
+                ray_core.clear()  # from here on Ray's processes stop by our hand
+                serve.shutdown()
+                ray.shutdown()
+            finally:
+                if redis is not None:
+                    redis.stop()
+    if up and stopping.signum is not None:
+        return 0  # stopped as asked, drained
+    return 128 + (stopping.signum or signal.SIGINT)  # interrupted before it was up, as a shell reports it
+
+
+@contextmanager
+def _forced_stop_after(timeout_s: float, ray_core: list[psutil.Process], stopping: _Stopping, redis,
+                       reaper: subprocess.Popen | None) -> Iterator[None]:
+    """The stop inside ends within `timeout_s`, or it is cut short: when it overruns, when a
+    second signal asks, or once one of `ray_core` (the local Ray's own processes, while the
+    caller leaves them in the list) has died: a signal to the whole process group reaches
+    them too, and every call into Ray would then wait on a GCS that is gone. Cut short,
+    what this process started is stopped and it exits with 128 + the signal, skipping Ray's
+    exit handlers (they wait on the same GCS); the reaper then stops what a dead Ray worker
+    left orphaned (HAProxy), out of this process's tree."""
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(STOP_POLL_S):
+            if stopping.forced or time.monotonic() > deadline or not all(running(p) for p in ray_core):
+                break
+        else:
+            return
+        print("stopping at once: the local Ray is gone, the drain overran, or a second signal came", file=sys.stderr)
+        if redis is not None:
+            redis.stop()
+        started = [p for p in psutil.Process().children(recursive=True) if reaper is None or p.pid != reaper.pid]
+        stop_processes(started, FORCED_STOP_GRACE_S)
+        sys.stderr.flush()
+        os._exit(128 + (stopping.signum or signal.SIGTERM))
+
+    watcher = threading.Thread(target=watch, name="pdserve-stop-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _drain() -> None:

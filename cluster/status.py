@@ -4,20 +4,19 @@ only: a status call costs Ray's start-up, not torch's."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from cluster import local_ray
 from cluster.config import APP_NAME
 
 STATUS_DEADLINE_S = 5.0  # the replicas heard by then are listed: a hung one must not hang the call
 
 
 def run_status(args) -> int:
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", include_dashboard=False, log_to_driver=False)
+    local_ray.connect(args.address, log_to_driver=False)
     try:
         router = serve.get_app_handle(APP_NAME)
     except RayServeException as e:  # Ray is up, but no Serve or no pdserve application on it

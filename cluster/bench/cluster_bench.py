@@ -21,8 +21,9 @@ import torch
 from ray import serve
 from tqdm import tqdm
 
+from cluster import local_ray
 from cluster.app import build_app
-from cluster.config import RAY_SYSTEM_CONFIG, CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig
+from cluster.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig
 from cluster.engine.sampling_params import SamplingParams
 
 
@@ -77,7 +78,7 @@ def run_cluster_bench(args) -> int:
     prompts = [torch.randint(10, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _system_config=dict(RAY_SYSTEM_CONFIG))
+    local_ray.init(8, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
     rounds: dict[str, list[dict]] = {name: [] for name in configs}
     transfers: dict = {}

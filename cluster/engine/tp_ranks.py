@@ -30,7 +30,8 @@ import torch
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import RAY_SYSTEM_CONFIG, EngineConfig, TransportConfig
+from cluster import local_ray
+from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.runner import ModelRunner, kv_cache_dtype
 from cluster.engine_cores import place_engine_thread
 from cluster.errors import RankLostError
@@ -132,8 +133,7 @@ class TensorParallelRanks:
         `config` is resolved: the same dtype and block count on every rank."""
         size = config.tensor_parallel_size
         if not ray.is_initialized():  # offline use: a local Ray for the rank processes
-            ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False, log_to_driver=False,
-                     _system_config=dict(RAY_SYSTEM_CONFIG))
+            local_ray.init(max(os.cpu_count() or 1, size), log_to_driver=False)
         host = ray.util.get_node_ip_address()
         store, address = TensorParallelGroup.host(host, config.tp_timeout_s)
         self._own_pg: PlacementGroup | None = None

@@ -73,6 +73,7 @@ import torch.distributed as dist
 from cluster.kv import shm_slots
 from cluster.openmp import serial_torch
 from cluster.ports import StoreAddress
+from cluster.rendezvous import listening_store
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +327,7 @@ class KVTransport:
         self._closed = False
         self._store: dist.TCPStore | None = None
         if role == "decode":
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
+            self._store = listening_store(host, self._timeout)
 
     @property
     def address(self) -> StoreAddress | None:

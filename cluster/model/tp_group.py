@@ -29,6 +29,7 @@ import torch.distributed as dist
 from cluster.errors import RankLostError
 from cluster.model.shm_collectives import ShmCollectives
 from cluster.ports import StoreAddress
+from cluster.rendezvous import listening_store
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class TensorParallelGroup:
     @classmethod
     def host(cls, host: str, timeout_s: float) -> tuple[dist.Store, StoreAddress]:
         """Rank 0's rendezvous store and its address (which the other ranks `join`)."""
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        store = listening_store(host, timedelta(seconds=timeout_s))
         return store, (host, store.port)
 
     @classmethod

@@ -12,6 +12,7 @@ import pytest
 import ray
 from ray import serve
 
+from cluster import local_ray
 from cluster.app import build_app
 from cluster.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig, TransportConfig
 from cluster.engine.engine import Engine
@@ -35,7 +36,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    local_ray.init(8, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
     yield
     serve.shutdown()

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from cluster import engine_cores
+from cluster.bind_policy import is_loopback
 from cluster.ingress import resolve
 from cluster.lifetime import POLL_S
 from cluster.openmp import usable_cpus, waiting_env
@@ -44,6 +45,12 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def listeners(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every listening socket of the process `pid` and its descendants."""
+    tree = {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in tree}
+
+
 def stream_text(client, out: dict) -> None:
     """A long greedy stream; `out` gets its chunks, then "finish" or the error it ended with."""
     out["chunks"] = 0
@@ -57,15 +64,17 @@ def stream_text(client, out: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("stop_signal", "ingress", "torch_threads", "kv_cache_dtype"),
-    [(signal.SIGINT, "auto", 1, "auto"), (signal.SIGTERM, "proxy", 2, "bfloat16")],
-    ids=["SIGINT-default-ingress", "SIGTERM-proxy-ingress-bf16-kv"],
+    ("stop_signal", "ingress", "host", "torch_threads", "kv_cache_dtype"),
+    [(signal.SIGINT, "auto", "127.0.0.1", 1, "auto"), (signal.SIGTERM, "proxy", "0.0.0.0", 2, "bfloat16")],
+    ids=["SIGINT-default-ingress", "SIGTERM-proxy-ingress-public-bf16-kv"],
 )
-def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress, torch_threads, kv_cache_dtype):
+def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress, host, torch_threads, kv_cache_dtype):
     """Ctrl-C (SIGINT, even when it arrives ignored) or SIGTERM stops everything and exits
     0; a stream running at that moment drains: it ends with its finish reason. Through
     either ingress: the default (direct, where Serve ships HAProxy) and Serve's proxies; the
     second with a bf16 KV cache under the float32 model, its prompts handed off between tiers.
+    Nothing listens beyond --host: by default every socket of the process tree is on
+    loopback; with --host 0.0.0.0 only the HTTP and gRPC API ports are public.
     Replicas whose torch threads outnumber the cores wait passively at OpenMP barriers; by
     default (`--engine-cores auto`), where every engine thread has a core and the decode
     engine's leave one to spare, the decode engine gets cores of its own, and the prefill
@@ -76,7 +85,7 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
     proc = subprocess.Popen(
         [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--api-key-file", str(key_file), "--ingress", ingress,
-         "--torch-threads", str(torch_threads), "--kv-cache-dtype", kv_cache_dtype],
+         "--torch-threads", str(torch_threads), "--kv-cache-dtype", kv_cache_dtype, "--host", host],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -85,7 +94,11 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
     )
     try:
         lines = read_until(proc, r"Ctrl-C stops it", timeout_s=240)
-        assert f"ingress: {resolve(ingress)};" in lines[-1]
+        assert f"ingress: {resolve(ingress)}." in lines[-1]
+        reach = "this host only (loopback)" if host == "127.0.0.1" else "the network (0.0.0.0)"
+        assert f"API reachable from {reach}, every other port of the cluster on loopback; auth: API key required (1 key)" in lines[-2]
+        public = {(address, port) for address, port in listeners(proc.pid) if not is_loopback(address)}
+        assert {port for _, port in public} == (set() if host == "127.0.0.1" else {http_port, grpc_port}), public
         # Ready for the openai SDK, with the key from the file.
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="sk-from-file", max_retries=0)
@@ -173,26 +186,47 @@ def test_ctrl_c_while_starting_stops_everything_without_a_traceback(tiny_llama):
     assert not port_open(redis_port) and not port_open(http_port)
 
 
-def test_a_killed_serve_leaves_no_process_behind(tiny_llama):
+@pytest.mark.parametrize("kill", ["SIGKILL", "group-SIGTERM"])
+def test_a_killed_serve_leaves_no_process_behind(tiny_llama, kill):
     """kill -9 of `pdserve serve`: every process it had started goes (Ray's, Serve's HAProxy
-    holding the ports, the private redis-server, the reaper itself; cluster/lifetime.py)."""
+    holding the ports, the private redis-server, the reaper itself; cluster/lifetime.py).
+    SIGTERM to its whole process group (systemd's KillMode=control-group, a container
+    runtime), which kills Ray's own processes under it at once: it stops by itself, with
+    status 143, and leaves nothing either (it once waited on the dead GCS for a minute, then
+    exited 1)."""
     http_port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
         [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
-         "--grpc-port", str(grpc_port)],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+         "--grpc-port", str(grpc_port), "--drain-timeout-s", "5"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
     )
     try:
         read_until(proc, r"Ctrl-C stops it", timeout_s=240)
         time.sleep(2 * POLL_S)  # the reaper has noted every process of the running cluster
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("haproxy" in p.name() for p in started)  # the default ingress: the one that stayed before
+        if kill == "SIGKILL":
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+            _, rest = proc.communicate(timeout=120)  # a stop that waits on the dead GCS would run into this
+            assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
     finally:
         proc.kill()
         proc.wait()
     _, alive = psutil.wait_procs(started, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]
     assert not port_open(http_port) and not port_open(grpc_port)
+
+
+def test_serve_refuses_a_public_host_without_api_keys():
+    """An API on the network needs keys, or the operator's explicit word; refused before
+    anything starts."""
+    result = subprocess.run([*PDSERVE, "serve", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--host 0.0.0.0 puts the API on the network: give it API keys" in result.stderr
+    assert "--allow-unauthenticated" in result.stderr
 
 
 def test_serve_refuses_an_empty_api_key_file(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import ray
 import torch
 
+from cluster import local_ray
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model.checkpoints import open_checkpoint
@@ -25,7 +26,7 @@ PROMPTS = ["hello world " * 5, "the quick brown fox", list(range(3, 70))]
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    local_ray.init(4, log_to_driver=False)
     yield
     ray.shutdown()
 
