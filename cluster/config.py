@@ -193,11 +193,21 @@ class GatewayConfig:
     rate_limit_rps: float = 0.0  # per API key, token bucket refill; 0 disables
     rate_limit_burst: int = 0  # bucket size (default: max(1, rate_limit_rps))
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
-    ready_timeout_s: float = 20.0  # /ready's one-token generation must finish within this
+    # Work one request may ask for: each choice (prompt x n) is a generation, holding an
+    # admission slot and a rate-limit token; prompt tokens over all of its prompts.
+    max_prompts_per_request: int = 32
+    max_choices_per_request: int = 64
+    max_request_input_tokens: int = 65536
+    ready_timeout_s: float = 20.0  # /ready's real check (two tokens through every tier) must finish within this
+    ready_interval_s: float = 10.0  # /ready answers with the last check, made at most this often
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0:
             raise ValueError("max_running_requests must be >= 1 and max_queued_requests >= 0")
+        if min(self.max_prompts_per_request, self.max_choices_per_request, self.max_request_input_tokens) < 1:
+            raise ValueError("max_prompts_per_request, max_choices_per_request and max_request_input_tokens must be >= 1")
+        if self.ready_timeout_s <= 0 or self.ready_interval_s < 0:
+            raise ValueError("ready_timeout_s must be > 0 and ready_interval_s >= 0")
         if self.rate_limit_rps < 0 or self.rate_limit_burst < 0 or self.max_body_bytes < 1:
             raise ValueError("rate limits must be >= 0 and max_body_bytes >= 1")
         if any(not isinstance(k, str) or not k for k in self.api_keys):

@@ -31,6 +31,7 @@ from cluster.model.loader import resolve_dtype
 from cluster.model.sharding import check_divisible, shard_of
 from cluster.openmp import usable_cpus, waiting_env
 from cluster.ports import port_free
+from cluster.redis_client import split_password_file
 from cluster.redis_server import PrivateRedis
 from cluster.serve_options import config_data
 from router.auth import ENV_VAR, load_api_keys
@@ -52,10 +53,13 @@ def config_from_args(args) -> ClusterConfig:
     gateway = data.setdefault("gateway", {})
     if gateway.get("api_key_file"):
         load_api_keys(None, gateway["api_key_file"], env={})  # fail now (exit 2) if it is missing or empty
-        gateway["api_key_file"] = str(Path(gateway["api_key_file"]).resolve())
+        gateway["api_key_file"] = str(Path(gateway["api_key_file"]).expanduser().resolve())
     gateway["api_keys"] = load_api_keys(args.api_key)  # and $PDSERVE_API_KEY
     config = from_dict(ClusterConfig, data)
-    check_model(config, on_a_remote_cluster=bool(args.address or os.environ.get("RAY_ADDRESS")))
+    remote = bool(args.address or os.environ.get("RAY_ADDRESS"))
+    if config.redis_url and not remote:
+        split_password_file(config.redis_url)  # a password file that is missing or empty: exit 2 now
+    check_model(config, on_a_remote_cluster=remote)
     return config
 
 

@@ -84,10 +84,16 @@ SERVE_FLAGS = (
     Flag("--drain-timeout-s", ("prefill.drain_timeout_s", "decode.drain_timeout_s", "router.drain_timeout_s"),
          "a replica being stopped finishes its requests within this, then hands the rest to other replicas"),
     Flag("--api-key-file", ("gateway.api_key_file",), "file of API keys, one per line"),
-    Flag("--max-running-requests", ("gateway.max_running_requests",), "requests streaming at once, per gateway replica"),
-    Flag("--max-queued-requests", ("gateway.max_queued_requests",), "requests waiting for a slot, per gateway replica; beyond: 503"),
-    Flag("--rate-limit-rps", ("gateway.rate_limit_rps",), "requests/s per API key, shared through Redis (0: off)"),
+    Flag("--max-running-requests", ("gateway.max_running_requests",), "generations (choices) streaming at once, per gateway "
+         "replica, shared fairly between API keys"),
+    Flag("--max-queued-requests", ("gateway.max_queued_requests",), "generations waiting for a slot, per gateway replica, "
+         "each API key with work an equal share; beyond: 503"),
+    Flag("--rate-limit-rps", ("gateway.rate_limit_rps",), "choices/s per API key (a request of p prompts x n takes p x n), "
+         "shared through Redis (0: off)"),
     Flag("--rate-limit-burst", ("gateway.rate_limit_burst",), "token bucket size (0: the rate)"),
+    Flag("--max-prompts-per-request", ("gateway.max_prompts_per_request",), "prompts one /v1/completions request may carry"),
+    Flag("--max-choices-per-request", ("gateway.max_choices_per_request",), "generations one request may ask for (prompts x n)"),
+    Flag("--max-request-input-tokens", ("gateway.max_request_input_tokens",), "prompt tokens of one request, over all its prompts"),
 )
 
 

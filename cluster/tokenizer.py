@@ -175,8 +175,10 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS first when the model wants it and add_special_tokens."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; BOS first when the model wants it and add_special_tokens.
+        (Through encode_batch, which lets go of the GIL, as `encode` does not: a prompt
+        tokenized on another thread leaves the event loop running. Same ids.)"""
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token:
             ids.insert(0, self.bos_token_id)
         return ids

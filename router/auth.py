@@ -16,7 +16,7 @@ def load_api_keys(keys: list[str] | None = None, key_file: str | None = None, en
     """Keys from the command line, a file (one per line, # comments) and $PDSERVE_API_KEY."""
     found = list(keys or ())
     if key_file:
-        in_file = [line.strip() for line in Path(key_file).read_text().splitlines()]
+        in_file = [line.strip() for line in Path(key_file).expanduser().read_text().splitlines()]
         in_file = [k for k in in_file if k and not k.startswith("#")]
         if not in_file:  # an empty secret must not silently turn auth off
             raise ValueError(f"API key file {key_file} holds no keys")

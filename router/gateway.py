@@ -4,9 +4,10 @@
                                                           Router.generate --> DecodeWorker ...
     gRPC  --Serve proxy-->  Gateway.Generate/Abort/...  --/
 
-In front of every route and RPC (but /health, /metrics and grpc.health.v1): the API key;
-in front of every generation: the per-key rate limit (Redis), then admission (running and
-queued slots of this replica). Errors have one table (router/errors.py) for both APIs.
+In front of every route and RPC (but /health and grpc.health.v1): the API key; in front of
+every generation: its size (prompts, choices), the per-key rate limit (Redis), then
+admission (running and queued slots of this replica, shared fairly between keys), each
+counted in choices. Errors have one table (router/errors.py) for both APIs.
 """
 
 
@@ -27,18 +28,28 @@ from cluster.config import EngineConfig, GatewayConfig, RoutingConfig
 from cluster.engine.sampling_params import LIMITS, SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from router import protocol as p
-from router.admission import Admission
+from router.admission import Admission, RequestLimits
 from router.auth import ApiKeyAuth, load_api_keys
-from router.errors import BadRequest, GatewayError, NotFound, Overloaded, PayloadTooLarge, RateLimited, from_exception
+from router.errors import (
+    BadRequest,
+    GatewayError,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    RateLimited,
+    Unavailable,
+    from_exception,
+)
 from router.grpc_serving import GrpcServing, metadata, set_error
 from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_serving import OpenAIServing
 from router.rate_limit import RateLimiter
+from router.readiness import Readiness
 from router.router import Router
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health"})  # liveness: says "ok" and nothing else
 # A scrape waits this long for worker stats, well inside Prometheus' default 10 s scrape
 # timeout: a hung worker costs its own figures (pdserve_workers_silent), not the scrape.
 METRICS_STATS_DEADLINE_S = 3.0
@@ -190,8 +201,10 @@ class Gateway:
         self.admission = Admission(
             config.max_running_requests, config.max_queued_requests, config.queue_timeout_s, config.retry_after_s
         )
-        self.openai = OpenAIServing(self.router, self.model_name, self.admitted)
-        self.grpc = GrpcServing(self.router, self.model_name, self.admitted)
+        limits = RequestLimits.of(config)
+        self.openai = OpenAIServing(self.router, self.model_name, self.admitted, limits)
+        self.grpc = GrpcServing(self.router, self.model_name, self.admitted, limits)
+        self.readiness = Readiness(self._through_every_tier, config.ready_timeout_s, config.ready_interval_s)
         api.state.gateway = self  # one replica per process: the EdgeGuard finds it here
 
     # ---- the narrow interface (Serve handles: tests, `pdserve status`) ----------------
@@ -210,17 +223,20 @@ class Gateway:
         return self.router.live_workers()
 
     @asynccontextmanager
-    async def admitted(self, api_key: str) -> AsyncIterator[None]:
-        """Rate limit (per key, shared through Redis), then a running slot of this replica."""
-        retry_after = await self.rate_limiter.acquire(api_key)
-        if retry_after is not None:
-            self.metrics.rejected.labels(self.metrics.replica, "429").inc()
-            raise RateLimited("rate limit exceeded for this API key", retry_after_s=max(1, round(retry_after + 0.5)))
+    async def admitted(self, api_key: str, choices: int = 1) -> AsyncIterator[None]:
+        """Rate limit (per key, shared through Redis), then running slots of this replica,
+        one per choice."""
+        entered = False
         try:
-            async with self.admission.slot():
+            retry_after = await self.rate_limiter.acquire(api_key, choices)
+            if retry_after is not None:
+                raise RateLimited("rate limit exceeded for this API key", retry_after_s=max(1, round(retry_after + 0.5)))
+            async with self.admission.slot(api_key, choices):
+                entered = True
                 yield
-        except Overloaded:  # (only the slot raises it, never the generation inside)
-            self.metrics.rejected.labels(self.metrics.replica, "503").inc()
+        except (RateLimited, Overloaded) as e:
+            if not entered:  # refused here; the generation inside never raises these
+                self.metrics.rejected.labels(self.metrics.replica, str(e.status)).inc()
             raise
 
     # ---- HTTP --------------------------------------------------------------------------
@@ -232,21 +248,22 @@ class Gateway:
 
     @api.get("/ready", response_model=p.Health, tags=["health"], responses={401: ERRORS[401], 503: {"model": p.Health}})
     async def ready(self):
-        """Readiness: real tokens through prefill, KV transfer and decode, in time (two:
-        a one-token request would end at the prefill worker)."""
-        prompt = self.router.inputs.tokenizer.encode("ready")
-
-        async def through_every_tier() -> None:
-            async for out in self.router.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
-                if out.finished and out.finish_reason == "abort":
-                    raise RuntimeError("aborted")
-
-        try:
-            await asyncio.wait_for(through_every_tier(), self.config.ready_timeout_s)
-        except Exception as e:  # noqa: BLE001 - any failure means not ready
-            detail = "timed out" if isinstance(e, TimeoutError) else type(from_exception(e)).__name__
+        """Readiness: the last real check (router/readiness.py), at most `ready_interval_s` old."""
+        detail = await self.readiness.status()
+        if detail is not None:
             return JSONResponse(p.Health(status="unavailable", detail=detail).model_dump(), status_code=503)
         return p.Health(status="ok")
+
+    async def _through_every_tier(self) -> None:
+        """Real tokens through prefill, KV transfer and decode (two: a one-token request
+        would end at the prefill worker)."""
+        prompt = self.router.inputs.tokenizer.encode("ready")
+        try:
+            async for out in self.router.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+                if out.finished and out.finish_reason == "abort":
+                    raise Unavailable("the readiness check was aborted")
+        except Exception as e:
+            raise from_exception(e) from None
 
     @api.get("/metrics", tags=["health"], response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
     async def prometheus(self) -> Response:
@@ -288,8 +305,8 @@ class Gateway:
 
     async def Abort(self, request: pb.AbortRequest, grpc_context) -> pb.AbortResponse:
         try:
-            self.auth.check(metadata(grpc_context, "authorization"))
-            return self.grpc.abort(request)
+            api_key = self.auth.check(metadata(grpc_context, "authorization"))
+            return self.grpc.abort(request, api_key)
         except Exception as e:
             raise set_error(grpc_context, e) from None
 

@@ -15,6 +15,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
+from router.admission import RequestLimits
 from router.errors import Aborted, AlreadyExists, BadRequest, GatewayError, NotFound, Unavailable, from_exception
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
@@ -93,18 +94,22 @@ class _Running:
 
 
 class GrpcServing:
-    def __init__(self, router, model_name: str, admitted):
-        """`admitted(api_key)`: held around each generation (rate limit, slot)."""
+    def __init__(self, router, model_name: str, admitted, limits: RequestLimits):
+        """`admitted(api_key, choices)`: held around each generation (rate limit, slot)."""
         self.router = router
         self.admitted = admitted
+        self.limits = limits
         self.model_name = model_name
-        self._running: dict[str, _Running] = {}  # client request_id -> its stream's abort switch
+        # (API key, client request_id) -> its stream's abort switch. Ids are the client's
+        # own, per key: another key can neither abort a request nor learn that its id runs.
+        self._running: dict[tuple[str, str], _Running] = {}
 
     def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.Model(id=self.model_name, max_model_len=self.router.inputs.max_model_len)])
 
     async def generate(self, request: pb.GenerateRequest, api_key: str = "") -> AsyncIterator[pb.GenerateResponse]:
-        """Validate everything first (errors before any work), then stream."""
+        """Validate the request, admit it, tokenize it (off the event loop) and validate its
+        prompt, all before any work; then stream."""
         if request.model and request.model != self.model_name:
             raise NotFound(f"The model '{request.model}' does not exist; this server serves '{self.model_name}'")
         which = request.WhichOneof("prompt")
@@ -112,37 +117,45 @@ class GrpcServing:
             raise BadRequest("set a prompt: text or token_ids")
         prompt = request.text if which == "text" else list(request.token_ids.ids)
         params = sampling_params(request.params)
-        try:
-            prompt_ids = self.router.inputs.process(prompt, params)
-        except InvalidRequestError as e:
-            raise BadRequest(str(e)) from None
         client_id = request.request_id or self.router.new_request_id()
-        if client_id in self._running:
+        key = (api_key, client_id)
+        if key in self._running:
             raise AlreadyExists(f"request_id '{client_id}' is already running")
-        running = self._running[client_id] = _Running()
+        running = self._running[key] = _Running()
         try:
-            # Internal ids are always the gateway's own: clients cannot collide in the workers.
-            stream = self.router.generate(prompt_ids, params, self.router.new_request_id())
-            async with self.admitted(api_key), aclosing(stream):  # closing it aborts it on every tier
-                async for out in stream:
-                    if out.finished and out.finish_reason == "abort":
-                        raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
-                    running.at_yield = True
-                    yield response(client_id, out)
-                    running.at_yield = False
-                    if running.aborted:
-                        break  # an abort that came between two messages
+            async with self.admitted(api_key, 1):
+                prompt_ids = await asyncio.to_thread(self._tokenize, prompt, params)
+                # Internal ids are always the gateway's own: clients cannot collide in the workers.
+                stream = self.router.generate(prompt_ids, params, self.router.new_request_id())
+                async with aclosing(stream):  # closing it aborts it on every tier
+                    async for out in stream:
+                        if out.finished and out.finish_reason == "abort":
+                            raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
+                        running.at_yield = True
+                        yield response(client_id, out)
+                        running.at_yield = False
+                        if running.aborted:
+                            break  # an abort that came between two messages
         except asyncio.CancelledError:
             if not running.aborted:
                 raise  # Serve's cancellation (the client went away)
             running.task.uncancel()  # the abort's own cancellation, answered with a status below
         finally:
-            self._running.pop(client_id, None)
+            self._running.pop(key, None)
         if running.aborted:
             raise Aborted(f"request '{client_id}' was aborted")
 
-    def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
-        running = self._running.get(request.request_id)
+    def _tokenize(self, prompt, params: SamplingParams) -> list[int]:
+        try:
+            ids = self.router.inputs.process(prompt, params)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e)) from None
+        self.limits.check_input_tokens(len(ids))
+        return ids
+
+    def abort(self, request: pb.AbortRequest, api_key: str = "") -> pb.AbortResponse:
+        """Abort the caller's own request of that id; any other is NOT_FOUND, whoever runs it."""
+        running = self._running.get((api_key, request.request_id))
         if running is None:
             raise NotFound(f"no running request '{request.request_id}' on this gateway")
         running.abort()

@@ -1,10 +1,13 @@
 """OpenAI completions and chat on top of `Router.generate`.
 
-Each request becomes one generation per (prompt, choice); all are validated and
-tokenized before any starts, run concurrently, and merge into one response or one SSE
-stream. A stream yields nothing until its first token exists, so every error that can
-happen before that (bad input, no worker) is a proper HTTP status, not a broken stream;
-after it, a failure ends the stream with an error event, then `[DONE]`.
+Each request becomes one generation per (prompt, choice). Its size is checked first
+(prompts, choices: RequestLimits), then it is admitted for all its choices (rate limit,
+slots), then its prompts are rendered and tokenized off the event loop and validated
+(the input-token cap among them) before any generation starts; they run concurrently and
+merge into one response or one SSE stream. A stream yields nothing until its first token
+exists, so every error that can happen before that (bad input, a limit, no worker) is a
+proper HTTP status, not a broken stream; after it, a failure ends the stream with an
+error event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
 from cluster.tokenizer import ChatTemplateError
 from router import protocol as p
+from router.admission import RequestLimits
 from router.errors import BadRequest, NotFound, Unavailable, from_exception
 from router.router import Router
 
@@ -34,6 +38,16 @@ class _Job:
     index: int  # the choice index clients see: prompt_index * n + choice
     prompt_ids: list[int]
     params: SamplingParams
+
+
+@dataclass
+class _Batch:
+    """A request's generations before they are made: how many (its admission cost), for
+    whom, and how (`jobs`, which tokenizes and validates: run off the event loop)."""
+
+    choices: int
+    api_key: str
+    jobs: Callable[[], list[_Job]]
 
 
 @dataclass
@@ -51,10 +65,12 @@ _DONE = object()
 
 
 class OpenAIServing:
-    def __init__(self, router: Router, model_name: str, admitted: Callable[[str], AbstractAsyncContextManager]):
-        """`admitted(api_key)`: held around each request's generations (rate limit, slot)."""
+    def __init__(self, router: Router, model_name: str, admitted: Callable[[str, int], AbstractAsyncContextManager],
+                 limits: RequestLimits):
+        """`admitted(api_key, choices)`: held around each request's generations (rate limit, slots)."""
         self.router = router
         self.admitted = admitted
+        self.limits = limits
         self.model_name = model_name
         self.tokenizer = router.inputs.tokenizer
         self.max_model_len = router.inputs.max_model_len
@@ -75,12 +91,13 @@ class OpenAIServing:
         self.check_model(req.model)
         prompts = _prompt_list(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
-        jobs = self._jobs([self._tokenize(prompt, params) for prompt in prompts], params, req.n)
+        self.limits.check_size(len(prompts), req.n)
+        batch = _Batch(len(prompts) * req.n, api_key, lambda: self._jobs([self._tokenize(x, params) for x in prompts], params, req.n))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return await _primed(self._completion_stream(request_id, created, jobs, req.n, _include_usage(req), api_key))
-        choices = await self._collect(jobs, api_key)
+            return await _primed(self._completion_stream(request_id, created, batch, params, req.n, _include_usage(req)))
+        choices = await self._collect(batch)
         return p.CompletionResponse(
             id=request_id,
             created=created,
@@ -96,14 +113,14 @@ class OpenAIServing:
         )
 
     async def _completion_stream(
-        self, request_id: str, created: int, jobs: list[_Job], n: int, include_usage: bool, api_key: str
+        self, request_id: str, created: int, batch: _Batch, params: SamplingParams, n: int, include_usage: bool
     ) -> AsyncIterator[str]:
-        offsets = [0] * len(jobs)
-        totals = [_Choice() for _ in jobs]
-        async for index, out in self._merged(jobs, api_key):
+        offsets = [0] * batch.choices
+        totals = [_Choice() for _ in range(batch.choices)]
+        async for index, out in self._merged(batch):
             _account(totals[index], out)
             logprobs = None
-            if jobs[index].params.logprobs is not None:
+            if params.logprobs is not None:
                 logprobs = self._completion_logprobs(out.logprobs or [], offsets[index])
             offsets[index] += len(out.new_text)
             choice = p.CompletionChoice(index=index, text=out.new_text, logprobs=logprobs, finish_reason=_finish(out))
@@ -117,19 +134,26 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        self._params(req, req.max_completion_tokens or req.max_tokens or 1, logprobs)  # the parameters' errors, now
+        self.limits.check_size(1, req.n)
         messages = [_message_dict(m) for m in req.messages]
-        try:
-            prompt_ids = self.tokenizer.encode_chat(messages)
-        except (ChatTemplateError, ValueError) as e:
-            raise BadRequest(f"messages could not be rendered with the model's chat template: {e}", param="messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
-        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        jobs = self._jobs([self._tokenize(prompt_ids, params)], params, req.n)
+
+        def jobs() -> list[_Job]:
+            try:
+                prompt_ids = self.tokenizer.encode_chat(messages)
+            except (ChatTemplateError, ValueError) as e:
+                raise BadRequest(f"messages could not be rendered with the model's chat template: {e}", param="messages") from None
+            max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
+            params = self._params(req, max_tokens, logprobs)
+            return self._jobs([self._tokenize(prompt_ids, params)], params, req.n)
+
+        batch = _Batch(req.n, api_key, jobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return await _primed(self._chat_stream(request_id, created, jobs, req.n, _include_usage(req), api_key))
-        choices = await self._collect(jobs, api_key)
+            return await _primed(self._chat_stream(request_id, created, batch, logprobs, req.n, _include_usage(req)))
+        choices = await self._collect(batch)
         return p.ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -145,20 +169,20 @@ class OpenAIServing:
         )
 
     async def _chat_stream(
-        self, request_id: str, created: int, jobs: list[_Job], n: int, include_usage: bool, api_key: str
+        self, request_id: str, created: int, batch: _Batch, logprobs: int | None, n: int, include_usage: bool
     ) -> AsyncIterator[str]:
-        totals = [_Choice() for _ in jobs]
+        totals = [_Choice() for _ in range(batch.choices)]
 
         def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
             return _sse(p.ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage))
 
-        async for index, out in self._merged(jobs, api_key):
+        async for index, out in self._merged(batch):
             if not totals[index].token_ids:  # the first delta of a choice carries the role
                 yield chunk([p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))])
             _account(totals[index], out)
-            logprobs = self._chat_logprobs(out.logprobs or []) if jobs[index].params.logprobs is not None else None
+            chat_logprobs = self._chat_logprobs(out.logprobs or []) if logprobs is not None else None
             delta = p.DeltaMessage(content=out.new_text) if out.new_text or not out.finished else p.DeltaMessage()
-            yield chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=_finish(out))])
+            yield chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=chat_logprobs, finish_reason=_finish(out))])
         if include_usage:
             yield chunk([], _usage(totals, n))
 
@@ -192,9 +216,9 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise BadRequest(str(e), param="prompt") from None
 
-    @staticmethod
-    def _jobs(prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[_Job]:
+    def _jobs(self, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[_Job]:
         """n choices per prompt; seeded choices get distinct seeds (seed + choice)."""
+        self.limits.check_input_tokens(sum(len(ids) for ids in prompt_ids))
         jobs = []
         for i, ids in enumerate(prompt_ids):
             for j in range(n):
@@ -202,11 +226,14 @@ class OpenAIServing:
                 jobs.append(_Job(i * n + j, ids, choice_params))
         return jobs
 
-    async def _merged(self, jobs: list[_Job], api_key: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, batch: _Batch) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every job's deltas as they come, tagged with the choice index, while admitted.
         Leaving early (client gone, error) cancels every generation, which aborts it on
         every tier."""
-        async with self.admitted(api_key):
+        async with self.admitted(batch.api_key, batch.choices):
+            # Tokenizing a long prompt takes seconds of CPU: on a thread, where the tokenizer
+            # lets go of the GIL, so every other stream of this gateway goes on meanwhile.
+            jobs = await asyncio.to_thread(batch.jobs)
             if len(jobs) == 1:  # the common case needs no tasks
                 async for out in self._generate(jobs[0]):
                     yield 0, out
@@ -251,9 +278,9 @@ class OpenAIServing:
         if not finished:
             raise Unavailable("the generation ended without a finish reason; retry", retry_after_s=1)
 
-    async def _collect(self, jobs: list[_Job], api_key: str) -> list[_Choice]:
-        choices = [_Choice() for _ in jobs]
-        async for index, out in self._merged(jobs, api_key):
+    async def _collect(self, batch: _Batch) -> list[_Choice]:
+        choices = [_Choice() for _ in range(batch.choices)]
+        async for index, out in self._merged(batch):
             _account(choices[index], out)
         return choices
 

@@ -38,8 +38,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
+from cluster import redis_client
 from cluster.kv.hashing import BlockHash
 from cluster.routing import worker_id
 
@@ -198,7 +197,7 @@ class IndexPublisher:
         self._identity = {"tier": tier, "replica": replica, "generation": self.generation,
                           "model_id": model_id, "block_size": block_size}
         self._take_events, self._snapshot, self._load = take_events, snapshot, load
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._redis = redis_client.connect(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._apply = self._redis.register_script(APPLY)
         self._snapshot_script = self._redis.register_script(SNAPSHOT)
         self._keys = [worker_key(worker_id), blocks_key(worker_id, self.generation), WORKERS]
@@ -337,7 +336,7 @@ class PrefixIndex:
         self.model_id = model_id
         self.block_size = block_size
         self.timeout_s = timeout_s
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._redis = redis_client.connect(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._lookup = self._redis.register_script(LOOKUP)
         self._forget = self._redis.register_script(FORGET)
 

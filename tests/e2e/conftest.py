@@ -11,6 +11,7 @@ the workers keep running (their arguments do not change, so Serve keeps them);
 
 import dataclasses
 
+import httpx
 import pytest
 import ray
 from ray import serve
@@ -69,6 +70,15 @@ class LiveCluster:
         )
         self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         return self.handle
+
+    @staticmethod
+    def gateway_config(**settings) -> GatewayConfig:
+        """The module's gateway (its API key) with other settings."""
+        return GatewayConfig(**{"api_keys": (API_KEY,), **settings})
+
+    def scrape(self) -> str:
+        """The gateway's /metrics text (it wants the key, like every route but /health)."""
+        return httpx.get(self.http_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
@@ -70,7 +69,7 @@ def worker_stats(live, tier: str) -> list[dict]:
 
 
 def counter(live, name: str) -> float:
-    return metric(httpx.get(live.http_url + "/metrics", timeout=30).text, name)
+    return metric(live.scrape(), name)
 
 
 def carries_figures_of(scrape: str, worker_id: str) -> bool:
@@ -93,7 +92,7 @@ def test_streams_go_on_when_their_decode_replica_is_killed(live, client, wide_mo
     victim = max(decodes, key=lambda s: s["running"])
     assert victim["running"] > 0
     os.kill(victim["pid"], signal.SIGKILL)
-    scrape = httpx.get(live.http_url + "/metrics", timeout=30).text  # before Serve has noticed
+    scrape = live.scrape()  # before Serve has noticed
 
     assert streams.texts() == expected  # every stream whole: none broken, no token twice or missing
     # The dead replica only goes silent: the scrape still carries the other's figures.
@@ -192,7 +191,7 @@ def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, 
     live.redeploy(decodes=2, routing=RoutingConfig(stall_timeout_s=2.0), engine=wide_model_config)
     prompts = [f"Hang {i}: the fox number {i} sat down and" for i in range(8)]
     expected = greedy_texts(wide_model_config)(prompts, 200)
-    before = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
+    before = metric(live.scrape(), "pdserve_request_migrations_total", reason="stalled")
     streams = Streams(client, prompts, 200)
     assert wait_until(lambda: min(streams.progress) >= 3, timeout_s=60, interval_s=0.02)
     decodes = worker_stats(live, "decode")
@@ -201,9 +200,9 @@ def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, 
     os.kill(victim["pid"], signal.SIGSTOP)
     try:
         # While it hangs: as the stall is found, and after its streams moved (when it looks the least loaded).
-        scrapes = [httpx.get(live.http_url + "/metrics", timeout=30).text]
+        scrapes = [live.scrape()]
         texts = streams.texts()
-        scrapes.append(httpx.get(live.http_url + "/metrics", timeout=30).text)
+        scrapes.append(live.scrape())
     finally:
         os.kill(victim["pid"], signal.SIGCONT)
     assert texts == expected
@@ -213,6 +212,6 @@ def test_streams_of_a_hung_decode_replica_move_on_after_the_stall_timeout(live, 
         assert metric(scrape, "pdserve_workers_silent", tier="decode") == 1
         assert metric(scrape, "pdserve_workers_silent", tier="prefill") == 0
         assert carries_figures_of(scrape, other)
-    after = metric(httpx.get(live.http_url + "/metrics", timeout=30).text, "pdserve_request_migrations_total", reason="stalled")
+    after = metric(live.scrape(), "pdserve_request_migrations_total", reason="stalled")
     assert after - before >= 1
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=90)

@@ -8,15 +8,15 @@ import re
 
 import httpx
 import ray
-import redis
 from ray._private import ray_constants
 
+from cluster import redis_client
 from cluster.config import LOCAL_SERVE_ENVIRONMENT, GatewayConfig, TransportConfig
 from cluster.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import metric, wait_until
 
-PUBLIC = {"/health", "/metrics"}
+PUBLIC = {"/health"}
 
 
 def completion(max_tokens=4, **kw):
@@ -61,7 +61,7 @@ def test_health_ready_and_metrics(live, auth):
     assert httpx.get(live.http_url + "/ready", headers=auth, timeout=60).status_code == 200
     for _ in range(3):
         assert httpx.post(live.http_url + "/v1/completions", headers=auth, json=completion(6), timeout=60).status_code == 200
-    response = httpx.get(live.http_url + "/metrics")
+    response = httpx.get(live.http_url + "/metrics", headers=auth)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     text = response.text
     assert metric(text, "pdserve_requests_total", status="ok", finish_reason="length") >= 4  # 3 + the readiness probe
@@ -109,17 +109,36 @@ def test_the_local_serve_controller_reconciles_less_often(live):
 
 def test_ready_is_503_when_the_kv_transfer_path_is_broken(live, auth):
     # Every KV transfer fails and the policy is `fail`: no token can get through
-    # prefill -> transfer -> decode, so the cluster is not ready, though alive.
-    live.redeploy(transport=TransportConfig(timeout_s=10.0, failure_policy="fail", fail_every_nth=1))
+    # prefill -> transfer -> decode, so the cluster is not ready, though alive. /ready tells
+    # the last real check, made at most every ready_interval_s: a probe sees it change.
+    live.redeploy(GatewayConfig(api_keys=(API_KEY,), ready_interval_s=1.0),
+                  transport=TransportConfig(timeout_s=10.0, failure_policy="fail", fail_every_nth=1))
+    seen = {}
+
+    def ready_status(want: int) -> bool:
+        seen["response"] = httpx.get(live.http_url + "/ready", headers=auth, timeout=60)
+        return seen["response"].status_code == want
+
     try:
-        response = httpx.get(live.http_url + "/ready", headers=auth, timeout=60)
-        assert response.status_code == 503 and response.json()["status"] == "unavailable"
+        assert wait_until(lambda: ready_status(503), timeout_s=90, interval_s=0.5)
+        assert seen["response"].json()["status"] == "unavailable"
         assert httpx.get(live.http_url + "/health").status_code == 200
         failed = httpx.post(live.http_url + "/v1/completions", headers=auth, json=completion(), timeout=60)
         assert failed.status_code == 503 and "Traceback" not in failed.text
     finally:
-        live.redeploy()
+        live.redeploy(GatewayConfig(api_keys=(API_KEY,), ready_interval_s=1.0))
+    assert wait_until(lambda: ready_status(200), timeout_s=90, interval_s=0.5)
+    live.redeploy()
+
+
+def test_ready_costs_nothing_per_call(live, auth):
+    """Fifty /ready calls make at most two real checks (the interval is 10 s: one, and one
+    more if they straddle its end); each check is one request through every tier."""
     assert httpx.get(live.http_url + "/ready", headers=auth, timeout=60).status_code == 200
+    before = metric(live.scrape(), "pdserve_requests_total")
+    for _ in range(50):
+        assert httpx.get(live.http_url + "/ready", headers=auth, timeout=60).status_code == 200
+    assert metric(live.scrape(), "pdserve_requests_total") - before <= 2
 
 
 async def _admission_run(live, auth):
@@ -180,7 +199,7 @@ def test_rate_limit_per_key_is_shared_through_redis(live, auth):
             assert int(codes[2].headers["retry-after"]) >= 1 and codes[2].json()["error"]["type"] == "rate_limit_error"
             other = httpx.post(live.http_url + "/v1/completions", headers={"Authorization": f"Bearer {other_key}"}, json=completion(1))
             assert other.status_code == 200  # each key has its own bucket
-            client = redis.Redis.from_url(limiter_redis.url)
+            client = redis_client.connect_sync(limiter_redis.url)
             assert len(client.keys("pdserve:ratelimit:*")) == 2  # one bucket per key (the index shares this Redis)
             stored = b"".join(client.keys("*")) + b"".join(client.dump(k) or b"" for k in client.keys("pdserve:ratelimit:*"))
             assert API_KEY.encode() not in stored and other_key.encode() not in stored  # never the key itself
@@ -190,7 +209,7 @@ def test_rate_limit_per_key_is_shared_through_redis(live, auth):
                 assert httpx.post(live.http_url + "/v1/completions", headers=auth, json=completion(1)).status_code == 200
                 # Two scrapes: the ingress may alternate replicas, and the scrape after a request
                 # would then always land on the other one.
-                scrapes = [httpx.get(live.http_url + "/metrics").text for _ in range(2)]
+                scrapes = [live.scrape() for _ in range(2)]
                 return max(metric(text, "pdserve_rate_limit_errors_total") for text in scrapes) >= 1
 
             assert wait_until(passes_and_is_counted)

@@ -10,7 +10,6 @@ import json
 import random
 from pathlib import Path
 
-import httpx
 import pytest
 
 from cluster.config import GatewayConfig, RoutingConfig
@@ -58,7 +57,7 @@ def run(handle, prompts) -> None:
 
 
 def scrape(live) -> str:
-    return httpx.get(live.http_url + "/metrics").text
+    return live.scrape()
 
 
 @pytest.fixture(scope="module")

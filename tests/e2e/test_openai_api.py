@@ -223,3 +223,25 @@ def test_client_disconnect_mid_stream_frees_every_block_on_both_tiers(live, auth
     after = live.handle.worker_stats.remote().result()["decode"]
     (aborted_after,) = [s["finished"].get("abort", 0) for s in after.values()]
     assert aborted_after == aborted_before + 1  # aborted, not run to its 480 tokens
+
+
+def test_a_request_that_fans_out_too_far_is_refused_before_any_work(client, live):
+    """Prompts per request, choices (prompts x n) and prompt tokens per request are bounded,
+    each refused with a 400 that names its limit; nothing runs (no block is taken)."""
+    cases = [
+        (dict(prompt=["Hi"] * 33), "33 prompts in one request; the limit is 32 (max_prompts_per_request)"),
+        (dict(prompt=["Hi"] * 5, n=16), "5 prompt(s) x n=16 is 80 choices; the limit is 64 (max_choices_per_request)"),
+        (dict(prompt=[[5] * 400] * 32, max_tokens=1),
+         "the request's prompts have 12800 tokens; the limit is 12000 (max_request_input_tokens)"),
+    ]
+    live.redeploy(live.gateway_config(max_request_input_tokens=12000))
+    try:
+        for kwargs, message in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=MODEL_NAME, **{"max_tokens": 4, **kwargs})
+            assert e.value.body["message"] == message
+        assert all_blocks_returned(live.handle)
+        many = client.completions.create(model=MODEL_NAME, prompt=["Hi"] * 4, n=16, max_tokens=1)  # 64: at the limit
+        assert len(many.choices) == 64
+    finally:
+        live.redeploy()

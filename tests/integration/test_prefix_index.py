@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import redis
 
+from cluster import redis_client
 from cluster.kv import prefix_index
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.kv.prefix_index import PrefixIndex
@@ -74,13 +75,13 @@ def test_gaps_are_repaired_by_a_snapshot(server):
         a.cache(HASHES[:3])
         assert await a.publisher.sync()
         # Redis forgets everything (FLUSHALL: as after a restart without persistence).
-        redis.Redis.from_url(server.url).flushall()
+        redis_client.connect_sync(server.url).flushall()
         a.cache(HASHES[3:4])
         assert await a.publisher.sync()  # the change batch finds no hash: a gap, so a snapshot
         assert a.publisher.counts["gaps"] == 1 and a.publisher.counts["snapshots"] == 2
         assert hits(await index.lookup(HASHES)) == {"prefill-a": 4}
         # A batch the index did not apply (seq moved): also a gap.
-        redis.Redis.from_url(server.url).hincrby(prefix_index.worker_key("prefill-a"), "seq", 1)
+        redis_client.connect_sync(server.url).hincrby(prefix_index.worker_key("prefill-a"), "seq", 1)
         a.cache(HASHES[4:5])
         assert await a.publisher.sync()
         assert a.publisher.counts["gaps"] == 2 and hits(await index.lookup(HASHES)) == {"prefill-a": 5}
@@ -159,7 +160,7 @@ def test_redis_down_then_back_on_the_same_port_recovers_without_restarting_worke
         index = PrefixIndex(server.url, MODEL, BS)
         with pytest.raises((OSError, TimeoutError, redis.exceptions.RedisError)):
             await index.lookup(HASHES)
-        back = PrivateRedis(port=server.port)
+        back = PrivateRedis(port=server.port, password_file=server.password_file)
         try:
             assert await a.publisher.sync()  # ... so the first sync after is a snapshot
             assert hits(await index.lookup(HASHES)) == {"prefill-a": 6}
@@ -210,7 +211,7 @@ def test_a_dead_workers_entries_stop_counting_when_its_heartbeat_lapses(server, 
         assert hits(await index.lookup(HASHES)) == {"prefill-a": 4, "prefill-b": 2}
         await asyncio.sleep(0.5)
         assert hits(await index.lookup(HASHES)) == {"prefill-a": 4}  # a heartbeats on
-        client = redis.Redis.from_url(server.url)
+        client = redis_client.connect_sync(server.url)
         assert not client.exists(prefix_index.worker_key("prefill-b"))
         assert not client.sismember(prefix_index.WORKERS, "prefill-b")  # pruned by the lookup
         await a.publisher.close()

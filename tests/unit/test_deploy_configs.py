@@ -133,6 +133,23 @@ def test_every_ray_start_carries_the_direct_ingress_settings(cluster):
             assert f"RAY_{name}={value} " in start, key
 
 
+def test_the_cluster_is_closed_by_default(cluster, serve):
+    """Ray's token authentication on every node, its token mounted on each; Redis on the
+    private network with a password from a mounted secret; the API behind keys from one."""
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in cluster[key] if "ray start" in c]
+        assert "RAY_AUTH_MODE=token " in start, key
+    assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert cluster["file_mounts"]["~/.pdserve"] == "./deploy/secrets"
+    assert any("export RAY_AUTH_MODE=token" in c for c in cluster["setup_commands"])  # for drivers on the nodes
+    (redis_start,) = [c for c in cluster["head_start_ray_commands"] if "redis-server" in c]
+    assert "requirepass $(cat ~/.pdserve/redis-password)" in redis_start
+    assert "--protected-mode yes" in redis_start and "0.0.0.0" not in redis_start
+    args = app_of(serve)["args"]
+    assert args["redis_url"].endswith("?password_file=~/.pdserve/redis-password")
+    assert args["gateway"]["api_key_file"] == "~/.pdserve/api-keys"
+
+
 def test_cluster_has_room_for_each_tiers_max_replicas(cluster, serve):
     """Every resource a tier's replica asks for exists on its node type (else Ray could
     never place it), and max_workers nodes can hold the tier's largest replica count."""

@@ -1,6 +1,7 @@
-"""The gateway's parts without a cluster: admission slots, API keys, the error table,
-request schemas (strict), gRPC Abort's timing against the task that streams, the
-Redis token bucket against a real redis-server, and what the gateway imports."""
+"""The gateway's parts without a cluster: admission slots (fair between keys), request size
+limits, API keys, the error table, request schemas (strict), gRPC Abort's timing against the
+task that streams and its scoping per key, readiness at a bounded rate, the Redis token
+bucket against a real redis-server, and what the gateway imports."""
 
 import asyncio
 from contextlib import asynccontextmanager
@@ -15,12 +16,24 @@ from cluster.engine.outputs import RequestOutput
 from cluster.errors import InvalidRequestError, KVCacheFullError
 from cluster.redis_server import PrivateRedis
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.admission import Admission
+from router.admission import Admission, RequestLimits
 from router.auth import ApiKeyAuth, load_api_keys
-from router.errors import Aborted, BadRequest, GatewayError, NotFound, Overloaded, Unauthorized, Unavailable, from_exception
+from router.errors import (
+    Aborted,
+    AlreadyExists,
+    BadRequest,
+    GatewayError,
+    NotFound,
+    Overloaded,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+    from_exception,
+)
 from router.grpc_serving import GrpcServing
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rate_limit import RateLimiter
+from router.readiness import Readiness
 from tests.helpers import fresh_imports
 
 # ---- imports -----------------------------------------------------------------------------
@@ -99,6 +112,131 @@ def test_a_failing_request_returns_its_slot():
     asyncio.run(scenario())
 
 
+def test_a_freed_slot_goes_to_the_key_that_holds_the_fewest():
+    """Key a holds every slot and has two requests waiting; key b's request, later, runs
+    next: one key at its limit does not starve another."""
+
+    async def scenario():
+        admission = Admission(max_running=2, max_queued=8, queue_timeout_s=30, retry_after_s=1)
+        release = {name: asyncio.Event() for name in ("a1", "a2", "a3", "a4", "b1")}
+        order = []
+
+        async def request(key, name):
+            async with admission.slot(key):
+                order.append(name)
+                await release[name].wait()
+
+        tasks = [asyncio.create_task(request("a", name)) for name in ("a1", "a2", "a3", "a4")]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(request("b", "b1")))
+        await asyncio.sleep(0)
+        assert order == ["a1", "a2"] and (admission.running, admission.queued) == (2, 3)
+        release["a1"].set()
+        await asyncio.sleep(0.01)
+        assert order == ["a1", "a2", "b1"]  # before a3, which waited longer
+        for event in release.values():
+            event.set()
+        await asyncio.gather(*tasks)
+        assert order == ["a1", "a2", "b1", "a3", "a4"] and (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_each_key_with_work_keeps_at_most_its_share_of_the_queue():
+    """Alone, key a may fill the queue; when key b comes, a's newest waiter gives way (503),
+    and a's further requests are refused at its share (429), naming the limit."""
+
+    async def scenario():
+        admission = Admission(max_running=1, max_queued=4, queue_timeout_s=30, retry_after_s=2)
+        hold = asyncio.Event()
+
+        async def request(key):
+            async with admission.slot(key):
+                await hold.wait()
+
+        a = [asyncio.create_task(request("a")) for _ in range(5)]  # one runs, four wait: the queue is full
+        await asyncio.sleep(0)
+        assert (admission.running, admission.queued) == (1, 4)
+        b = asyncio.create_task(request("b"))
+        await asyncio.sleep(0)
+        assert (admission.running, admission.queued) == (1, 4)
+        with pytest.raises(Overloaded, match="share"):
+            await a[-1]  # displaced
+        with pytest.raises(RateLimited, match=r"share of the queue is 2 \(max_queued_requests 4 over 2 keys with work\)"):
+            await request("a")
+        hold.set()
+        await asyncio.gather(*a[:-1], b)
+        assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_of_many_choices_waits_for_all_its_slots_and_is_not_overtaken():
+    async def scenario():
+        admission = Admission(max_running=4, max_queued=8, queue_timeout_s=30, retry_after_s=1)
+        holds = [asyncio.Event() for _ in range(3)]
+        order = []
+
+        async def request(name, cost, hold=None):
+            async with admission.slot("a", cost):
+                order.append(name)
+                if hold is not None:
+                    await hold.wait()
+
+        held = [asyncio.create_task(request(f"h{i}", 1, hold)) for i, hold in enumerate(holds)]
+        await asyncio.sleep(0)
+        big = asyncio.create_task(request("big", 3))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(request("small", 1))
+        await asyncio.sleep(0)
+        assert order == ["h0", "h1", "h2"]  # one slot free: neither the big one nor the small one behind it runs
+        for hold in holds:
+            hold.set()
+        await asyncio.gather(*held, big, small)
+        assert order == ["h0", "h1", "h2", "big", "small"]
+        with pytest.raises(BadRequest, match=r"at most 4 run at once \(max_running_requests\)"):
+            async with admission.slot("a", 5):
+                pass
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_while_queued_frees_its_place():
+    async def scenario():
+        admission = Admission(max_running=1, max_queued=2, queue_timeout_s=30, retry_after_s=1)
+        hold = asyncio.Event()
+
+        async def request(key):
+            async with admission.slot(key):
+                await hold.wait()
+
+        first = asyncio.create_task(request("a"))
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(request("b"))
+        await asyncio.sleep(0)
+        assert admission.queued == 1
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert admission.queued == 0
+        hold.set()
+        await first
+        assert admission.running == 0
+
+    asyncio.run(scenario())
+
+
+def test_request_limits_name_the_limit():
+    assert LIMITS.check_size(4, 2) == 8
+    with pytest.raises(BadRequest, match=r"5 prompts in one request; the limit is 4 \(max_prompts_per_request\)"):
+        LIMITS.check_size(5, 1)
+    with pytest.raises(BadRequest, match=r"3 prompt\(s\) x n=3 is 9 choices; the limit is 8 \(max_choices_per_request\)"):
+        LIMITS.check_size(3, 3)
+    LIMITS.check_input_tokens(100)
+    with pytest.raises(BadRequest, match=r"101 tokens; the limit is 100 \(max_request_input_tokens\)"):
+        LIMITS.check_input_tokens(101)
+
+
 # ---- API keys ----------------------------------------------------------------------------
 
 
@@ -169,14 +307,17 @@ class EndlessRouter:
 
 
 @asynccontextmanager
-async def always_admitted(api_key):
+async def always_admitted(api_key, choices):
     yield
 
 
-def abortable_stream():
+LIMITS = RequestLimits(max_prompts=4, max_choices=8, max_input_tokens=100)
+
+
+def abortable_stream(api_key=""):
     router = EndlessRouter()
-    serving = GrpcServing(router, "m", always_admitted)
-    return router, serving, serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"))
+    serving = GrpcServing(router, "m", always_admitted, LIMITS)
+    return router, serving, serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"), api_key)
 
 
 def test_an_abort_between_two_messages_spares_the_streaming_task_and_ends_at_the_next():
@@ -230,6 +371,52 @@ def test_an_abort_while_the_stream_waits_ends_it_with_a_status_not_a_cancellatio
     asyncio.run(scenario())
 
 
+def test_request_ids_are_each_keys_own():
+    """Another key's Abort of a running id is NOT_FOUND, as for an id nobody runs; the same
+    id under another key is no conflict; under the same key it is."""
+
+    async def scenario():
+        router, serving, stream = abortable_stream(api_key="sk-a")
+        await anext(stream)
+        with pytest.raises(NotFound) as other:
+            serving.abort(pb.AbortRequest(request_id="client-1"), "sk-b")
+        with pytest.raises(NotFound) as nobody:
+            serving.abort(pb.AbortRequest(request_id="no-such-id"), "sk-b")
+        assert other.value.message == nobody.value.message.replace("no-such-id", "client-1")
+        same_id_other_key = serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"), "sk-b")
+        await anext(same_id_other_key)
+        with pytest.raises(AlreadyExists):
+            await anext(serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"), "sk-a"))
+        serving.abort(pb.AbortRequest(request_id="client-1"), "sk-a")
+        with pytest.raises(Aborted):
+            await anext(stream)
+        await same_id_other_key.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_readiness_checks_at_most_once_per_interval():
+    async def scenario():
+        outcomes = [None, RuntimeError("down"), None]
+
+        async def check():
+            await asyncio.sleep(0.01)
+            if (outcome := outcomes.pop(0)) is not None:
+                raise outcome
+
+        readiness = Readiness(check, timeout_s=5, interval_s=3600)
+        assert await asyncio.gather(*(readiness.status() for _ in range(50))) == [None] * 50
+        assert readiness.checks == 1  # fifty calls, one real check
+        readiness.interval_s = 0  # every answer is stale now: each call starts a check if none runs
+        assert await readiness.status() is None  # the last result at once; a check starts behind it
+        await asyncio.sleep(0.05)
+        assert await readiness.status() == "RuntimeError"  # and the third check starts
+        await asyncio.sleep(0.05)
+        assert await readiness.status() is None and readiness.checks == 3
+
+    asyncio.run(scenario())
+
+
 # ---- request schemas ---------------------------------------------------------------------
 
 
@@ -272,6 +459,19 @@ def test_token_bucket_in_redis_is_per_key_and_refills():
         assert await limiter.acquire("sk-b") is None  # another key, another bucket
         await asyncio.sleep(retry + 0.02)
         assert await limiter.acquire("sk-a") is None  # refilled
+
+    with PrivateRedis() as redis:
+        asyncio.run(scenario(redis.url))
+
+
+def test_a_request_takes_a_token_per_choice():
+    async def scenario(url):
+        limiter = RateLimiter(url, rate_per_s=0.01, burst=5)
+        assert await limiter.acquire("sk-a", 4) is None
+        assert await limiter.acquire("sk-a", 2) is not None  # one token left
+        assert await limiter.acquire("sk-a", 1) is None
+        with pytest.raises(RateLimited, match=r"needs 6 rate-limit tokens, and this API key's bucket holds 5 \(rate_limit_burst\)"):
+            await limiter.acquire("sk-a", 6)
 
     with PrivateRedis() as redis:
         asyncio.run(scenario(redis.url))
