@@ -53,7 +53,7 @@ def tier_options(tier: TierConfig) -> dict:
 
 # The proxies' gRPC services: ours and the standard health service, both routed to the Gateway.
 GRPC_SERVICER_FUNCTIONS = (
-    "protos.pdserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "router.grpc_service.add_generation_servicer_to_server",  # the generated one's, malformed bytes a 400
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )
 

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from cluster.bench.flags import (
+    add_abuse_flags,
     add_chaos_flags,
     add_chunk_flag,
     add_compare_flags,
@@ -176,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(bm)
     add_compare_flags(bm)
     bm.set_defaults(fn=_runs("cluster.bench.sweep_compare:run_compare"))
+    ba = bsub.add_parser("abuse", help="a victim key's TTFT alone and beside an abusive key (fan-out, or fuzzing and "
+                         "never-read streams), the abuser's server errors, restarts and leaked blocks")
+    add_abuse_flags(ba)
+    ba.set_defaults(fn=_runs("cluster.bench.abuse_bench:run_abuse_bench"))
     bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
                          "checks that none failed, texts match an offline run and no KV block leaked")
     add_chaos_flags(bx)

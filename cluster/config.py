@@ -186,8 +186,10 @@ class GatewayConfig:
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none here or in the file: no auth; never logged
     api_key_file: str | None = None  # one key per line, read by each gateway replica (e.g. a mounted secret)
-    max_running_requests: int = 256  # requests streaming at once
-    max_queued_requests: int = 256  # admitted requests waiting for a running slot
+    # Admission, counted in choices (prompts x n) and shared fairly between keys (router/admission.py).
+    max_running_requests: int = 256  # choices streaming at once
+    max_queued_requests: int = 256  # choices waiting for a running slot
+    max_running_per_key: int = 0  # choices one key may stream at once, even with slots free (0: no cap)
     queue_timeout_s: float = 30.0  # a queued request gives up (503) after this
     retry_after_s: int = 1  # Retry-After on 429/503
     rate_limit_rps: float = 0.0  # per API key, token bucket refill; 0 disables
@@ -202,8 +204,8 @@ class GatewayConfig:
     ready_interval_s: float = 10.0  # /ready answers with the last check, made at most this often
 
     def __post_init__(self) -> None:
-        if self.max_running_requests < 1 or self.max_queued_requests < 0:
-            raise ValueError("max_running_requests must be >= 1 and max_queued_requests >= 0")
+        if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.max_running_per_key < 0:
+            raise ValueError("max_running_requests must be >= 1, max_queued_requests and max_running_per_key >= 0")
         if min(self.max_prompts_per_request, self.max_choices_per_request, self.max_request_input_tokens) < 1:
             raise ValueError("max_prompts_per_request, max_choices_per_request and max_request_input_tokens must be >= 1")
         if self.ready_timeout_s <= 0 or self.ready_interval_s < 0:

@@ -23,7 +23,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cluster.config import INGRESS_MODES, LOCAL_SERVE_ENVIRONMENT
+from cluster.config import INGRESS_MODES, LOCAL_SERVE_ENVIRONMENT, GatewayConfig
 from cluster.ports import free_port
 
 # A gateway replica being stopped keeps serving this long before it closes its ports, so
@@ -57,13 +57,17 @@ def resolve(mode: str) -> str:
     return mode
 
 
-def environment(mode: str, local: bool) -> dict[str, str]:
+def environment(mode: str, local: bool, max_message_bytes: int = GatewayConfig.max_body_bytes) -> dict[str, str]:
     """The Ray Serve settings of an ingress mode. `local`: for a Ray on this machine only,
     whose HAProxy then takes free ports for its metrics and stats listeners (its defaults
-    are fixed ports on every interface, so a second cluster here could not start)."""
+    are fixed ports on every interface, so a second cluster here could not start).
+    `max_message_bytes`: the largest gRPC message the API takes, as HTTP's body limit (Serve's
+    own default is 2 GiB, parsed in full before any check of ours runs)."""
+    limit = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(max_message_bytes)}
     if resolve(mode) == "proxy":
-        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0", **limit}
     env = {
+        **limit,
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
@@ -77,13 +81,13 @@ def environment(mode: str, local: bool) -> dict[str, str]:
 
 
 @contextmanager
-def settings(mode: str) -> Iterator[str]:
+def settings(mode: str, max_message_bytes: int = GatewayConfig.max_body_bytes) -> Iterator[str]:
     """`mode`'s settings, and a local Ray's other Serve settings (LOCAL_SERVE_ENVIRONMENT)
     where the user set none, in this process's environment, for a local Ray started inside
     (its processes keep them); restored on exit, so a later Ray here starts clean. Yields
     the resolved mode."""
     env = {key: value for key, value in LOCAL_SERVE_ENVIRONMENT.items() if key not in os.environ}
-    env.update(environment(mode, local=True))
+    env.update(environment(mode, local=True, max_message_bytes=max_message_bytes))
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:

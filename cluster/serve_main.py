@@ -21,7 +21,7 @@ from ray import serve
 from cluster import engine_cores, ingress, local_ray
 from cluster.app import build_app, grpc_options
 from cluster.bind_policy import LOOPBACK, is_loopback
-from cluster.config import APP_NAME, ClusterConfig, from_dict
+from cluster.config import APP_NAME, ClusterConfig, GatewayConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, kv_cache_dtype, rank_kv_cache_bytes
 from cluster.lifetime import running, start_reaper, stop_processes
 from cluster.model.builtin import model_or_builtin
@@ -135,11 +135,12 @@ def engine_cores_of(config: ClusterConfig) -> engine_cores.CorePlan | None:
 
 
 def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True, api_host: str = LOOPBACK,
-                    api_ports: tuple[int, ...] = ()) -> str:
+                    api_ports: tuple[int, ...] = (), max_message_bytes: int = GatewayConfig.max_body_bytes) -> str:
     """Start a local Ray (cluster/local_ray.py) whose Serve reaches its gateways by
     `ingress_mode` (cluster/ingress.py), its proxies serving the API on (api_host,
-    api_ports) in proxy mode; returns the resolved mode, "direct" or "proxy"."""
-    with ingress.settings(ingress_mode) as mode:
+    api_ports) in proxy mode, gRPC messages up to `max_message_bytes`; returns the resolved
+    mode, "direct" or "proxy"."""
+    with ingress.settings(ingress_mode, max_message_bytes) as mode:
         local_ray.init(num_cpus, api_host, api_ports, log_to_driver=log_to_driver)
     return mode
 
@@ -226,7 +227,8 @@ def run_serve(args) -> int:
             reaper = start_reaper()  # so that even a kill -9 of this process leaves none of the local Ray behind
             config = on_this_machine(config)
             ingress_mode = start_local_ray(max(os.cpu_count() or 1, math.ceil(cpus_requested(config))), config.ingress,
-                                           api_host=args.host, api_ports=(config.http_port, config.grpc_port))
+                                           api_host=args.host, api_ports=(config.http_port, config.grpc_port),
+                                           max_message_bytes=config.gateway.max_body_bytes)
             ray_core = [p for p in psutil.Process().children(recursive=True) if p.name() in RAY_CORE_PROCESSES]
         # After ray.init: Ray's core installs a fatal-signal handler for SIGTERM that would
         # abort the process after ours ran; replacing it keeps SIGTERM a clean, drained stop.

@@ -88,6 +88,8 @@ SERVE_FLAGS = (
          "replica, shared fairly between API keys"),
     Flag("--max-queued-requests", ("gateway.max_queued_requests",), "generations waiting for a slot, per gateway replica, "
          "each API key with work an equal share; beyond: 503"),
+    Flag("--max-running-per-key", ("gateway.max_running_per_key",), "generations one API key may stream at once, per "
+         "gateway replica, even with slots free (0: no cap; under contention keys share fairly anyway)"),
     Flag("--rate-limit-rps", ("gateway.rate_limit_rps",), "choices/s per API key (a request of p prompts x n takes p x n), "
          "shared through Redis (0: off)"),
     Flag("--rate-limit-burst", ("gateway.rate_limit_burst",), "token bucket size (0: the rate)"),

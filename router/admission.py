@@ -12,7 +12,8 @@ starve another:
 - each key with work (running or waiting) may keep at most an equal share of the queue.
   A key over its share is refused there (429); a key under its share that finds the queue
   full displaces the newest request of the key furthest over its share (503 to that one).
-With a single key (or none: no auth) it is one FIFO queue, as before.
+With a single key (or none: no auth) it is one FIFO queue, as before. `max_running_per_key`
+(0: none) caps what one key may hold even when no other waits.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class _Waiter:
 
 
 class Admission:
-    def __init__(self, max_running: int, max_queued: int, queue_timeout_s: float, retry_after_s: int):
+    def __init__(self, max_running: int, max_queued: int, queue_timeout_s: float, retry_after_s: int,
+                 max_running_per_key: int = 0):
         self.max_running = max_running
+        self.max_running_per_key = max_running_per_key
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
@@ -86,6 +89,9 @@ class Admission:
         if not 1 <= cost <= self.max_running:
             raise BadRequest(f"a request of {cost} choices can never run here: at most {self.max_running} run at once "
                              "(max_running_requests)")
+        if self.max_running_per_key and cost > self.max_running_per_key:
+            raise BadRequest(f"a request of {cost} choices can never run here: an API key runs at most "
+                             f"{self.max_running_per_key} at once (max_running_per_key)")
         await self._acquire(key, cost)
         try:
             yield
@@ -93,7 +99,7 @@ class Admission:
             self._release(key, cost)
 
     async def _acquire(self, key: str, cost: int) -> None:
-        if not self._waiting and self.running + cost <= self.max_running:
+        if not self._waiting and self._fits(key, cost):
             self._start(key, cost)
             return
         self._make_room(key, cost)
@@ -129,10 +135,19 @@ class Admission:
             self._remove(displaced)
             displaced.granted.set_exception(self._refuse("queued past its API key's share when another key came"))
 
+    def _fits(self, key: str, cost: int) -> bool:
+        within_key = not self.max_running_per_key or self._running_by_key[key] + cost <= self.max_running_per_key
+        return within_key and self.running + cost <= self.max_running
+
     def _grant(self) -> None:
-        """Free slots to waiters, the key that holds the fewest first."""
-        while self._waiting:
-            key = min(self._waiting, key=lambda k: (self._running_by_key[k], self._waiting[k][0].order))
+        """Free slots to waiters, the key that holds the fewest first (keys at their own cap wait
+        for their own requests to end)."""
+        while True:
+            keys = [k for k in self._waiting
+                    if not self.max_running_per_key or self._running_by_key[k] + self._waiting[k][0].cost <= self.max_running_per_key]
+            if not keys:
+                return
+            key = min(keys, key=lambda k: (self._running_by_key[k], self._waiting[k][0].order))
             head = self._waiting[key][0]
             if self.running + head.cost > self.max_running:
                 return  # it waits for room; no one overtakes it

@@ -40,6 +40,7 @@ from router.errors import (
     Unavailable,
     from_exception,
 )
+from router.grpc_service import MalformedMessage
 from router.grpc_serving import GrpcServing, metadata, set_error
 from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_serving import OpenAIServing
@@ -74,6 +75,11 @@ SSE_EVENT = {
     "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}, "event": {"type": "string"}},
 }
 STREAMED = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}, "description": "JSON, or SSE with stream=true"}}
+
+
+def _check_parsed(request) -> None:
+    if isinstance(request, MalformedMessage):
+        raise BadRequest(f"the request is not a valid {request.message_type} message ({request.reason})")
 
 
 def _error_response(error: GatewayError) -> JSONResponse:
@@ -199,7 +205,8 @@ class Gateway:
             redis_url, config.rate_limit_rps, config.rate_limit_burst, self.metrics.rate_limit_errors.labels(self.metrics.replica)
         )
         self.admission = Admission(
-            config.max_running_requests, config.max_queued_requests, config.queue_timeout_s, config.retry_after_s
+            config.max_running_requests, config.max_queued_requests, config.queue_timeout_s, config.retry_after_s,
+            config.max_running_per_key,
         )
         limits = RequestLimits.of(config)
         self.openai = OpenAIServing(self.router, self.model_name, self.admitted, limits)
@@ -296,6 +303,7 @@ class Gateway:
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateResponse]:
         try:
             api_key = self.auth.check(metadata(grpc_context, "authorization"))
+            _check_parsed(request)
             async for message in self.grpc.generate(request, api_key):
                 yield message
         except asyncio.CancelledError:
@@ -306,6 +314,7 @@ class Gateway:
     async def Abort(self, request: pb.AbortRequest, grpc_context) -> pb.AbortResponse:
         try:
             api_key = self.auth.check(metadata(grpc_context, "authorization"))
+            _check_parsed(request)
             return self.grpc.abort(request, api_key)
         except Exception as e:
             raise set_error(grpc_context, e) from None
@@ -313,6 +322,7 @@ class Gateway:
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:
         try:
             self.auth.check(metadata(grpc_context, "authorization"))
+            _check_parsed(request)
             return self.grpc.list_models()
         except Exception as e:
             raise set_error(grpc_context, e) from None

@@ -124,3 +124,21 @@ def add_chaos_flags(p) -> None:
     p.add_argument("--migration-limit", type=int, default=RoutingConfig().migration_limit)
     p.add_argument("--stall-timeout-s", type=float, default=5.0, help="a stream silent this long moves (SIGSTOP faults)")
     p.add_argument("--idle-timeout-s", type=float, default=180.0, help="wait at most this long for the idle cluster")
+
+
+def add_abuse_flags(p) -> None:
+    """`pdserve bench abuse`: a victim key's TTFT alone and beside an abusive key."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--grpc-target", default="127.0.0.1:9000")
+    p.add_argument("--model", help="the model name the server serves (default: the first of /v1/models)")
+    p.add_argument("--api-key", required=True, help="the victim's key")
+    p.add_argument("--abuser-key", required=True, help="another key the server accepts")
+    p.add_argument("--mode", choices=("fanout", "fuzz"), default="fanout")
+    p.add_argument("--fanout-prompts", type=int, default=100)
+    p.add_argument("--fanout-n", type=int, default=16)
+    p.add_argument("--fuzz-examples", type=int, default=200, help="schemathesis examples per operation and mode")
+    p.add_argument("--rounds", type=int, default=3, help="alone/abused phase pairs")
+    p.add_argument("--phase-s", type=float, default=30.0)
+    p.add_argument("--victim-max-tokens", type=int, default=8)
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--result-dir", default=None, help="write abuse-<mode>.json and its plot here")

@@ -128,3 +128,26 @@ def plot_chaos(chaos: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_phases(summary: dict, path: Path) -> Path:
+    """`pdserve bench abuse`: the victim's p50 and p99 TTFT per round, alone and abused."""
+    rounds = summary["rounds"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.2
+    x = np.arange(len(rounds))
+    for offset, (phase, q, color) in enumerate((("alone", 50, "#9ecae1"), ("abused", 50, "#fdae6b"),
+                                                 ("alone", 99, "#3182bd"), ("abused", 99, "#e6550d"))):
+        values = [float(np.percentile(r[phase], q)) if r[phase] else 0.0 for r in rounds]
+        ax.bar(x + (offset - 1.5) * width, values, width, label=f"p{q} {phase}", color=color)
+    ax.set_xticks(x, [f"round {i + 1}" for i in range(len(rounds))])
+    ax.set_ylabel("victim TTFT (ms)")
+    victim = summary["victim"]
+    ax.set_title(f"abuser: {summary['mode']} | p99 abused/alone {victim['p99_ratio']:.2f}x | "
+                 f"server errors {summary['abuser']['server_errors']}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -49,6 +49,8 @@ class InputProcessor:
             )
 
     def process(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        if not isinstance(prompt, str):  # a list too long for the model is refused before its ids are checked
+            self.validate_length(len(prompt), params)
         ids = self.tokenize(prompt)
         self.validate_length(len(ids), params)
         return ids

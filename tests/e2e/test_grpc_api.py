@@ -73,6 +73,19 @@ def test_bad_requests_get_their_status_code(stub, request_, code):
     assert "Traceback" not in e.value.details()
 
 
+def test_bytes_that_are_no_message_are_a_clients_error(channel):
+    """Garbage in place of a message is INVALID_ARGUMENT on every RPC (grpc's own answer, an
+    UNKNOWN "Unexpected DecodeError", was a server error), and says which message."""
+    for method, streams in (("Generate", True), ("Abort", False), ("ListModels", False)):
+        make = channel.unary_stream if streams else channel.unary_unary
+        call = make(f"/pdserve.v1.Generation/{method}", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            reply = call(b"\xff\xff\xff\xff not a message", metadata=AUTH, timeout=60)
+            list(reply) if streams else reply
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+        assert e.value.details().startswith(f"the request is not a valid pdserve.v1.{method}Request message")
+
+
 def test_every_rpc_refuses_a_missing_or_wrong_key(stub):
     calls = [
         lambda md: list(stub.Generate(pb.GenerateRequest(text=PROMPT, params=greedy(2)), metadata=md)),

@@ -201,6 +201,30 @@ def test_a_request_of_many_choices_waits_for_all_its_slots_and_is_not_overtaken(
     asyncio.run(scenario())
 
 
+def test_a_key_at_its_own_cap_waits_while_others_run():
+    async def scenario():
+        admission = Admission(max_running=8, max_queued=8, queue_timeout_s=30, retry_after_s=1, max_running_per_key=2)
+        release = asyncio.Event()
+        order = []
+
+        async def request(key, name):
+            async with admission.slot(key):
+                order.append(name)
+                await release.wait()
+
+        tasks = [asyncio.create_task(request("a", f"a{i}")) for i in range(3)] + [asyncio.create_task(request("b", "b0"))]
+        await asyncio.sleep(0.01)
+        assert order == ["a0", "a1", "b0"] and (admission.running, admission.queued) == (3, 1)  # a2 waits for a's own
+        release.set()
+        await asyncio.gather(*tasks)
+        assert order[-1] == "a2"
+        with pytest.raises(BadRequest, match=r"an API key runs at most 2 at once \(max_running_per_key\)"):
+            async with admission.slot("a", 3):
+                pass
+
+    asyncio.run(scenario())
+
+
 def test_a_client_that_leaves_while_queued_frees_its_place():
     async def scenario():
         admission = Admission(max_running=1, max_queued=2, queue_timeout_s=30, retry_after_s=1)
