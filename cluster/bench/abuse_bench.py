@@ -26,6 +26,7 @@ import random
 import re
 import socket
 import statistics
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -107,34 +108,50 @@ def _p(values: list[float], q: float) -> float:
 
 
 def _abuse(mode: str, args: dict, model: str, go, done, ready, results) -> None:
-    counts: Counter[str] = Counter()
+    """The abuser's process: `--abuser-threads` threads send while `go` is set; the fuzz
+    abuser's never-read streams are opened at a phase's start and closed at its end."""
     cases = _fuzz_cases(args, model) if mode == "fuzz" else []
     ready.set()
-    held: list = []  # the never-read streams of the current phase
-    rng = random.Random(0)
-    with httpx.Client(base_url=args["base_url"], timeout=120, headers={"Authorization": f"Bearer {args['abuser_key']}"}) as http, \
-            grpc.insecure_channel(args["grpc_target"], options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-        while not done.is_set():
-            if not go.wait(0.2):
-                for stream in held:
-                    stream.close()
-                held.clear()
-                continue
-            if mode == "fanout":
-                body = {"model": model, "prompt": ["Hi"] * args["fanout_prompts"], "n": args["fanout_n"], "max_tokens": 1}
-                counts[f"http_{http.post('/v1/completions', json=body).status_code}"] += 1
-                continue
-            if not held:
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def count(what: str) -> None:
+        with lock:
+            counts[what] += 1
+
+    def sender(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=args["base_url"], timeout=120, headers={"Authorization": f"Bearer {args['abuser_key']}"}) as http, \
+                grpc.insecure_channel(args["grpc_target"], options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+            while not done.is_set():
+                if not go.wait(0.2):
+                    continue
+                if mode == "fanout":
+                    body = {"model": model, "prompt": ["Hi"] * args["fanout_prompts"], "n": args["fanout_n"], "max_tokens": 1}
+                    count(f"http_{http.post('/v1/completions', json=body).status_code}")
+                elif rng.random() < 0.15:
+                    count(_grpc_abuse(channel, args["abuser_key"], model, rng))
+                else:
+                    try:
+                        count(f"http_{http.request(**rng.choice(cases)).status_code}")
+                    except httpx.HTTPError as e:
+                        count(f"client_{type(e).__name__}")
+
+    threads = [threading.Thread(target=sender, args=(seed,), daemon=True) for seed in range(args["abuser_threads"])]
+    for thread in threads:
+        thread.start()
+    held: list[_Held] = []  # the never-read streams of the current phase
+    while not done.is_set():
+        if go.wait(0.2):
+            if mode == "fuzz" and not held:
                 held = _never_read(args, model)
                 counts["never_read_streams"] += len(held)
-            if rng.random() < 0.15:
-                counts[_grpc_abuse(channel, args["abuser_key"], model, rng)] += 1
-            else:
-                kwargs = rng.choice(cases)
-                try:
-                    counts[f"http_{http.request(**kwargs).status_code}"] += 1
-                except httpx.HTTPError as e:
-                    counts[f"client_{type(e).__name__}"] += 1
+        elif held:
+            for stream in held:
+                stream.close()
+            held.clear()
+    for thread in threads:
+        thread.join(120)
     results.put({"answers": dict(counts), "cpu_s": round(sum(psutil.Process().cpu_times()[:2]), 1)})
 
 

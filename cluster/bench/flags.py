@@ -137,6 +137,7 @@ def add_abuse_flags(p) -> None:
     p.add_argument("--fanout-prompts", type=int, default=100)
     p.add_argument("--fanout-n", type=int, default=16)
     p.add_argument("--fuzz-examples", type=int, default=200, help="schemathesis examples per operation and mode")
+    p.add_argument("--abuser-threads", type=int, default=1, help="the abuser's concurrent senders")
     p.add_argument("--rounds", type=int, default=3, help="alone/abused phase pairs")
     p.add_argument("--phase-s", type=float, default=30.0)
     p.add_argument("--victim-max-tokens", type=int, default=8)

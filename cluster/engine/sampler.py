@@ -286,7 +286,9 @@ class Sampler:
             flat[idx] = flat[idx] - cat(pres_val)
         if freq_idx:
             flat.index_add_(0, cat(freq_idx), cat(freq_val), alpha=-1.0)
-        return work
+        # A repetition penalty near 0 divides a positive logit into +inf; two of them would
+        # make inf - inf = NaN weights. Kept finite, they are the most likely tokens, tied.
+        return work.clamp_(max=torch.finfo(work.dtype).max)
 
     # ---------------------------------------------------------------- sampling
     @staticmethod

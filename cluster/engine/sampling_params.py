@@ -54,14 +54,16 @@ LIMITS = {
     "n": Limit(1, 16, integer=True),  # choices per prompt (the HTTP API's `n`)
 }
 MAX_STOP_STRINGS = 16
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """What to sample and when to stop. Defaults are OpenAI's / vLLM's.
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable
-    those filters. Penalties follow vLLM: repetition_penalty (1 = off) acts on prompt
+    temperature == 0 means greedy, as does any below GREEDY_BELOW (vLLM's rule: 1/T of a
+    tiny T overflows, and the sampler's weights would turn NaN). top_k <= 0 and top_p == 1
+    and min_p == 0 disable those filters. Penalties follow vLLM: repetition_penalty (1 = off) acts on prompt
     and output tokens; presence/frequency penalties (0 = off) on output tokens only.
     """
 
@@ -88,6 +90,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self.validate()
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -34,6 +34,29 @@ def test_greedy_returns_argmax():
     assert tokens(out) == lb.float().argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("top_k", [0, 1, 5])
+def test_a_tiny_temperature_is_greedy_not_a_failed_step(top_k):
+    """1/T of a denormal T is inf, and inf * 0 turned every weight NaN: the sampler indexed
+    past its candidates and failed the whole step (found by `pdserve bench abuse --mode fuzz`)."""
+    logits = torch.randn(3, 64)
+    params = SP(temperature=5e-324, top_k=top_k, top_p=0.5, min_p=0.1)
+    assert params.greedy and params.temperature == 0.0
+    out = Sampler()(logits, [row(params)] * 3)
+    assert tokens(out) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_a_repetition_penalty_near_zero_makes_no_nan(top_k):
+    """Positive logits divided by a penalty that rounds to 0 in float32 were +inf, and two
+    of them NaN weights: the step failed for every request in it (fuzzing found it). Kept
+    finite, the penalised tokens are the likeliest, tied."""
+    logits = torch.randn(2, 4096)
+    logits[:, [3, 7, 11]] = torch.tensor([1.0, 2.0, -1.0])
+    params = SP(temperature=1.0, top_k=top_k, repetition_penalty=1e-46)
+    out = Sampler()(logits, [row(params, prompt=[3, 7, 11]), row(params, prompt=[3, 7, 11], gen=make_generator(5))])
+    assert set(tokens(out)) <= {3, 7}
+
+
 def test_greedy_rows_mixed_with_random_rows_keep_argmax():
     torch.manual_seed(1)
     logits = torch.randn(6, 50)
