@@ -20,6 +20,7 @@ time, which the server's two cores did not have.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import random
@@ -41,8 +42,6 @@ from cluster.bench.openai_client import send
 from cluster.bench.provenance import provenance
 
 VICTIM_PROMPT = "Summarize the plot of a short story about a fox in two sentences."
-NEVER_READ_HTTP = 24  # streams the fuzz abuser opens and never reads, per phase
-NEVER_READ_GRPC = 8
 GRPC_BAD_CODES = ("INTERNAL", "UNKNOWN", "DATA_LOSS")
 
 
@@ -111,6 +110,7 @@ def _abuse(mode: str, args: dict, model: str, go, done, ready, results) -> None:
     """The abuser's process: `--abuser-threads` threads send while `go` is set; the fuzz
     abuser's never-read streams are opened at a phase's start and closed at its end."""
     cases = _fuzz_cases(args, model) if mode == "fuzz" else []
+    cpu_before = sum(psutil.Process().cpu_times()[:2])  # the cases' making is not the abuse's cost
     ready.set()
     counts: Counter[str] = Counter()
     lock = threading.Lock()
@@ -141,18 +141,17 @@ def _abuse(mode: str, args: dict, model: str, go, done, ready, results) -> None:
     for thread in threads:
         thread.start()
     held: list[_Held] = []  # the never-read streams of the current phase
-    while not done.is_set():
-        if go.wait(0.2):
-            if mode == "fuzz" and not held:
-                held = _never_read(args, model)
-                counts["never_read_streams"] += len(held)
-        elif held:
+    while not done.wait(0.2):
+        if go.is_set() and mode == "fuzz" and not held:
+            held = _never_read(args, model)
+            counts["never_read_streams"] += len(held)
+        elif not go.is_set() and held:
             for stream in held:
                 stream.close()
             held.clear()
     for thread in threads:
         thread.join(120)
-    results.put({"answers": dict(counts), "cpu_s": round(sum(psutil.Process().cpu_times()[:2]), 1)})
+    results.put({"answers": dict(counts), "cpu_s": round(sum(psutil.Process().cpu_times()[:2]) - cpu_before, 1)})
 
 
 def _fuzz_cases(args: dict, model: str) -> list[dict]:
@@ -202,9 +201,9 @@ def _grpc_abuse(channel, key: str, model: str, rng: random.Random) -> str:
         if kind == 0:
             call = channel.unary_stream("/pdserve.v1.Generation/Generate", request_serializer=None, response_deserializer=None)
             list(call(rng.randbytes(rng.randrange(1, 512)), metadata=metadata, timeout=60))
-        elif kind == 1:
-            big = pb.GenerateRequest(model=model, token_ids=pb.TokenIds(ids=[7] * (2 << 20)))
-            list(_stub(channel).Generate(big, metadata=metadata, timeout=60))
+        elif kind == 1:  # over the server's message limit (its HTTP body limit, 4 MiB)
+            call = channel.unary_stream("/pdserve.v1.Generation/Generate", request_serializer=None, response_deserializer=None)
+            list(call(_oversized(model), metadata=metadata, timeout=60))
         elif kind == 2:
             params = pb.SamplingParameters(max_tokens=rng.choice([0, 10**9]), temperature=rng.choice([-1.0, 1e9]))
             list(_stub(channel).Generate(pb.GenerateRequest(model=model, text="x", params=params), metadata=metadata, timeout=60))
@@ -213,6 +212,14 @@ def _grpc_abuse(channel, key: str, model: str, rng: random.Random) -> str:
         return "grpc_OK"
     except grpc.RpcError as e:
         return f"grpc_{e.code().name}"
+
+
+@functools.cache
+def _oversized(model: str) -> bytes:
+    """A GenerateRequest of 5 MiB, serialized once (made anew, it cost the abuser a second of CPU)."""
+    from protos.pdserve.v1 import generation_pb2 as pb  # noqa: PLC0415 - the gRPC part of the fuzz only
+
+    return pb.GenerateRequest(model=model, text="x" * (5 << 20)).SerializeToString()
 
 
 def _stub(channel):
@@ -236,7 +243,7 @@ def _never_read(args: dict, model: str) -> list[_Held]:
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {args['abuser_key']}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
     held = []
-    for _ in range(NEVER_READ_HTTP):
+    for _ in range(args["never_read_http"]):
         sock = socket.create_connection((url.hostname, url.port or 80), timeout=30)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes block soon
         sock.sendall(request)
@@ -245,7 +252,7 @@ def _never_read(args: dict, model: str) -> list[_Held]:
     stub = _stub(channel)
     calls = [stub.Generate(pb.GenerateRequest(model=model, text="Tell me a long story.",
                                               params=pb.SamplingParameters(max_tokens=400, ignore_eos=True)),
-                           metadata=(("authorization", f"Bearer {args['abuser_key']}"),)) for _ in range(NEVER_READ_GRPC)]
+                           metadata=(("authorization", f"Bearer {args['abuser_key']}"),)) for _ in range(args["never_read_grpc"])]
     held += [_Held(call.cancel) for call in calls]
     held.append(_Held(channel.close))
     return held
