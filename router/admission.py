@@ -115,6 +115,10 @@ class Admission:
             raise
         if not done:
             self._withdraw(waiter)
+            if self.max_running_per_key and self._running_by_key[key] + cost > self.max_running_per_key:
+                raise RateLimited(f"this API key runs {self._running_by_key[key]} choices, its cap is {self.max_running_per_key} "
+                                  f"(max_running_per_key), and none ended within {self.queue_timeout_s:g} s",
+                                  retry_after_s=self.retry_after_s)
             raise self._refuse(f"no slot freed within {self.queue_timeout_s:g} s")
         waiter.granted.result()  # raises if it was displaced
 

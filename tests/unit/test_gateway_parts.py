@@ -221,6 +221,17 @@ def test_a_key_at_its_own_cap_waits_while_others_run():
         with pytest.raises(BadRequest, match=r"an API key runs at most 2 at once \(max_running_per_key\)"):
             async with admission.slot("a", 3):
                 pass
+        # A wait that outlasts the queue timeout because of the key's own cap is the key's limit (429), not overload.
+        admission.queue_timeout_s = 0.05
+        holders = [admission.slot("a") for _ in range(2)]
+        for holder in holders:
+            await holder.__aenter__()
+        with pytest.raises(RateLimited, match=r"its cap is 2 \(max_running_per_key\)"):
+            async with admission.slot("a"):
+                pass
+        for holder in holders:
+            await holder.__aexit__(None, None, None)
+        assert admission.running == 0
 
     asyncio.run(scenario())
 
