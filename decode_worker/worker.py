@@ -29,14 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig, TransportConfig
-from cluster.delta_channel import DeltaSender
 from cluster.engine.outputs import RequestOutput
 from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError
-from cluster.faults import is_worker_fault
 from cluster.kv.transport import KVTransferError
-from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult, PrefillStarted
-from cluster.routing import RouteHint
-from cluster.worker import EngineWorker
+from cluster.serving.delta_channel import DeltaSender
+from cluster.serving.faults import is_worker_fault
+from cluster.serving.messages import GenerateRequest, PrefillRequest, PrefillResult, PrefillStarted
+from cluster.serving.routing import RouteHint
+from cluster.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 

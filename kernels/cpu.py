@@ -7,7 +7,7 @@ numerical spec (tests compare the two) and the path where the kernels cannot run
   - `PDSERVE_CPU_KERNELS=0` (the switch that forces the reference path anywhere).
 
 Build: `cc -O3 -march=native`, plus the `-mno-*` switches that `configure()` is given
-(cluster/cpu_features.py derives them from PDSERVE_CPU_DISABLE, and the model loader
+(cluster/host/cpu_features.py derives them from PDSERVE_CPU_DISABLE, and the model loader
 passes them), so the AVX2 code of an AVX-512 machine can be built and tested there. The
 library is cached under ~/.cache/pdserve/kernels by a hash of the source, the flags, the
 compiler binary and this CPU's identity (/proc/cpuinfo, what `-march=native` reads): a

@@ -27,8 +27,8 @@ from cluster.config import EngineConfig, TransportConfig
 from cluster.errors import EngineDeadError
 from cluster.kv.tp_transfer import Part
 from cluster.kv.transport import KVTransferError
-from cluster.messages import PrefillRequest, PrefillResult, PrefillStarted
-from cluster.worker import EngineWorker
+from cluster.serving.messages import PrefillRequest, PrefillResult, PrefillStarted
+from cluster.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 

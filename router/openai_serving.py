@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
-from cluster.tokenizer import ChatTemplateError
+from cluster.text.tokenizer import ChatTemplateError
 from router import protocol as p
 from router.admission import RequestLimits
 from router.errors import BadRequest, NotFound, Unavailable, from_exception

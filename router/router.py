@@ -6,7 +6,7 @@ It validates and tokenizes at the edge (bad input raises InvalidRequestError bef
 worker is involved), places the request on a (prefill, decode) pair by the routing
 policy (router/placement.py), calls the decode worker (which calls the chosen prefill
 worker; a one-token request goes to the prefill worker alone) and streams the deltas
-that worker sends to this gateway's delta channel (cluster/delta_channel.py: one
+that worker sends to this gateway's delta channel (cluster/serving/delta_channel.py: one
 message per engine step for all of this gateway's requests there, while the Ray call
 carries cancellation, faults and the end), and observes each stream's latency. A stream
 its consumer abandons cancels its call, which aborts the request on every tier. A worker that fails a request mid-stream (dies, errs,
@@ -27,14 +27,14 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig, RoutingConfig
-from cluster.delta_channel import DeltaReceiver
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import EngineDeadError, StalledError
-from cluster.faults import can_migrate, is_worker_fault
-from cluster.messages import GenerateRequest, PrefillRequest
-from cluster.routing import TIER_DEPLOYMENTS, RouteHint, replica_of
+from cluster.serving.delta_channel import DeltaReceiver
+from cluster.serving.faults import can_migrate, is_worker_fault
+from cluster.serving.messages import GenerateRequest, PrefillRequest
+from cluster.serving.routing import TIER_DEPLOYMENTS, RouteHint, replica_of
 from router.metrics import GatewayMetrics
 from router.placement import Placer
 

@@ -21,10 +21,10 @@ import torch
 from ray import serve
 from tqdm import tqdm
 
-from cluster import local_ray
-from cluster.app import build_app
 from cluster.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host import local_ray
+from cluster.launch.app import build_app
 
 
 async def _one(router, prompt, params) -> dict:

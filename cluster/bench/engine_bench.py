@@ -24,10 +24,10 @@ from tqdm import tqdm
 
 from cluster.bench.plots import plot_engine_bench
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
-from cluster.cpu_features import cpu_summary
 from cluster.engine.engine import Engine
 from cluster.engine.runner import kv_bytes_per_block
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host.cpu_features import cpu_summary
 from cluster.model.linear import Linear
 from kernels import cpu as cpu_kernels
 

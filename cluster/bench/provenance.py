@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.cpu_features import cpu_summary
+from cluster.host.cpu_features import cpu_summary
 
 REPO = Path(__file__).resolve().parents[2]
 

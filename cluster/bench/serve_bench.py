@@ -28,9 +28,9 @@ from tqdm import tqdm
 from cluster.bench import datasets
 from cluster.bench.openai_client import RequestResult, send
 from cluster.bench.plots import plot_serve_result
-from cluster.gguf_tokenizer import load_tokenizer
 from cluster.model.builtin import BUILTIN_MODEL_NAME, builtin_model_path
-from cluster.tokenizer import Tokenizer
+from cluster.model.gguf_tokenizer import load_tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 

@@ -13,7 +13,7 @@ compare  runs the same workload against two targets, alternately for --rounds ro
          and either with @T: T torch threads per replica instead of --torch-threads, so
          that configurations with the same total threads compare (colocated@2 vs 1p1d@1),
          and with /CORES: --engine-cores CORES (auto, own, shared; default auto: whether
-         decode engines get cores of their own, cluster/engine_cores.py), e.g. 1p1d@1 vs
+         decode engines get cores of their own, cluster/host/engine_cores.py), e.g. 1p1d@1 vs
          1p1d@1/shared. Or offline[@T]: one engine in this process, no server
          (cluster/bench/offline_target.py), e.g. colocated@2 vs offline@2 for served TPOT over
          the offline step.
@@ -34,15 +34,15 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from cluster.app import build_app
 from cluster.bench.flags import local_engine_config
 from cluster.bench.offline_target import offline_target, run_offline
 from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.serve_bench import run_once
 from cluster.config import APP_NAME, ClusterConfig, RoutingConfig, TierConfig
-from cluster.ports import free_port
-from cluster.redis_server import PrivateRedis
-from cluster.serve_main import on_this_machine, start_local_ray
+from cluster.launch.app import build_app
+from cluster.launch.ports import free_port
+from cluster.launch.redis_server import PrivateRedis
+from cluster.launch.serve import on_this_machine, start_local_ray
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -96,7 +96,7 @@ LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?(?:/(
 @dataclass(frozen=True)
 class LocalTarget:
     """A local configuration: replicas per tier (prefill 0: colocated), routing, threads,
-    and whether the decode engines get cores of their own where they can (cluster/engine_cores.py)."""
+    and whether the decode engines get cores of their own where they can (cluster/host/engine_cores.py)."""
 
     prefill: int
     decode: int

@@ -2,7 +2,7 @@
 
 One background thread builds the Engine, owns it and steps it; nothing else touches it.
 It builds it too: the thread that steps must be the process's only OpenMP master, and
-loading the model runs parallel ops (cluster/openmp.py).
+loading the model runs parallel ops (cluster/host/openmp.py).
 Callers hand work in through a thread-safe inbox (add, abort) and get deltas on a
 per-request asyncio queue. A caller that stops iterating (cancelled, disconnected)
 aborts its request, which frees its blocks on the engine thread.

@@ -31,17 +31,17 @@ from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
 from cluster.engine.step_times import StepTimes
 from cluster.engine.tp_ranks import TensorParallelRanks, resolved
-from cluster.engine_cores import place_engine_thread
 from cluster.errors import InvalidRequestError
-from cluster.host_memory import keep_freed_memory
+from cluster.host.engine_cores import place_engine_thread
+from cluster.host.memory import keep_freed_memory
+from cluster.host.openmp import wait_settings
 from cluster.kv.block_pool import BlockPool
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch, resolve_max_model_len
 from cluster.model.loader import load_model, resolve_dtype
 from cluster.model.sharding import shard_of
 from cluster.model.tp_group import SINGLE
-from cluster.openmp import wait_settings
-from cluster.tokenizer import IncrementalDetokenizer, StopChecker
+from cluster.text.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
 

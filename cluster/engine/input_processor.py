@@ -10,7 +10,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch, resolve_max_model_len
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 

@@ -30,17 +30,17 @@ import torch
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster import local_ray
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.runner import ModelRunner, kv_cache_dtype
-from cluster.engine_cores import place_engine_thread
 from cluster.errors import RankLostError
-from cluster.host_memory import keep_freed_memory
+from cluster.host import local_ray
+from cluster.host.engine_cores import place_engine_thread
+from cluster.host.memory import keep_freed_memory
+from cluster.host.openmp import wait_settings
 from cluster.kv.tp_transfer import rank_peer_id, recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransport
 from cluster.model.loader import load_model
 from cluster.model.tp_group import TensorParallelGroup
-from cluster.openmp import wait_settings
 
 # A rank runs its step loop and, in other threads, its KV transfers and stats calls.
 RANK_ACTOR_CONCURRENCY = 16
@@ -50,7 +50,7 @@ RANK_ACTOR_CONCURRENCY = 16
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int, address: tuple[str, int]):
         # One thread loads the model and runs the steps: the process's only OpenMP master
-        # (cluster/openmp.py); the actor's other threads serve transfers and stats.
+        # (cluster/host/openmp.py); the actor's other threads serve transfers and stats.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-rank")
         self.rank = rank
         self.config = config

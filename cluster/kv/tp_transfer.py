@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from cluster.host.rendezvous import StoreAddress
 from cluster.kv.transport import KVCaches, KVTransport
 from cluster.model.sharding import HeadRoute
-from cluster.ports import StoreAddress
 
 
 def rank_peer_id(worker_id: str, rank: int) -> str:

@@ -70,10 +70,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from cluster.host.openmp import serial_torch
+from cluster.host.rendezvous import StoreAddress, listening_store
 from cluster.kv import shm_slots
-from cluster.openmp import serial_torch
-from cluster.ports import StoreAddress
-from cluster.rendezvous import listening_store
 
 log = logging.getLogger(__name__)
 

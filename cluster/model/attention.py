@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.cpu_features import detect
+from cluster.host.cpu_features import detect
 from cluster.model.linear import Linear, fuse_linears
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding

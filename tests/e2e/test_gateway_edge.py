@@ -10,9 +10,9 @@ import httpx
 import ray
 from ray._private import ray_constants
 
-from cluster import redis_client
 from cluster.config import LOCAL_SERVE_ENVIRONMENT, GatewayConfig, TransportConfig
-from cluster.redis_server import PrivateRedis
+from cluster.kv import redis_client
+from cluster.launch.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import metric, wait_until
 

@@ -16,7 +16,7 @@ from cluster.config import GatewayConfig, RoutingConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.hashing import hash_prefix_blocks
-from cluster.redis_server import PrivateRedis
+from cluster.launch.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY
 from tests.e2e.test_gateway_edge import metric
 from tests.helpers import all_blocks_returned, wait_until

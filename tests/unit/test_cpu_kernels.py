@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.cpu_features import compiler_isa_flags, cpu_flags, detect, features_from_flags
+from cluster.host.cpu_features import compiler_isa_flags, cpu_flags, detect, features_from_flags
 from kernels import cpu
 from kernels.kv_store import store_kv_reference
 from kernels.rms_norm import rms_norm_reference

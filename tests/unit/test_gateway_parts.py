@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from cluster.engine.outputs import RequestOutput
 from cluster.errors import InvalidRequestError, KVCacheFullError
-from cluster.redis_server import PrivateRedis
+from cluster.launch.redis_server import PrivateRedis
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.admission import Admission, RequestLimits
 from router.auth import ApiKeyAuth, load_api_keys

@@ -20,7 +20,7 @@ from cluster.testing.random_checkpoint import (
     param_shapes,
     train_tokenizer,
 )
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -25,8 +25,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from cluster.config import GGUF_SUFFIX
-from cluster.gguf_reader import MappedGGUFReader
-from cluster.tokenizer import Tokenizer
+from cluster.model.gguf_reader import MappedGGUFReader
+from cluster.text.tokenizer import Tokenizer
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6  # llama.cpp's token types
 

@@ -1,6 +1,6 @@
 """A private redis-server for one `pdserve serve` (or a test): free loopback port,
 no persistence, a random password (in a file only this user can read, which the URL names:
-cluster/redis_client.py; loopback is open to every user of the host), stopped with its
+cluster/kv/redis_client.py; loopback is open to every user of the host), stopped with its
 owner (also when the owner is killed: Linux's parent-death signal, so a SIGKILLed
 `pdserve serve` leaves no server behind)."""
 
@@ -15,9 +15,9 @@ import tempfile
 import time
 import weakref
 
-from cluster.lifetime import die_with_parent
-from cluster.ports import free_port
-from cluster.redis_client import PASSWORD_FILE
+from cluster.kv.redis_client import PASSWORD_FILE
+from cluster.launch.lifetime import die_with_parent
+from cluster.launch.ports import free_port
 
 
 class PrivateRedis:

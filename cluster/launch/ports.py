@@ -10,8 +10,6 @@ from __future__ import annotations
 import random
 import socket
 
-StoreAddress = tuple[str, int]  # a torch.distributed TCPStore's (host, port): where peers rendezvous
-
 # Above Ray's worker ports (10002-19999), below Serve's direct-ingress ports (from 30000).
 SAFE_PORTS = range(20000, 30000)
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"

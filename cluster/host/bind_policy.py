@@ -8,7 +8,7 @@ Each kind of listener is brought in where it is made:
 - Ray's own (GCS, raylet, the workers' gRPC, object manager, dashboard and runtime-env
   agents, the metrics exporter) bind the node IP when it is the loopback address. A Ray
   in single-node mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, what Ray runs on macOS and
-  Windows) takes it as its node IP: cluster/local_ray.py starts every local Ray so.
+  Windows) takes it as its node IP: cluster/host/local_ray.py starts every local Ray so.
 - Serve binds some listeners whatever its options say: its gRPC servers (the proxy's, a
   replica's direct-ingress and inter-deployment ones) bind `[::]`, its HTTP servers (the
   proxy's, the direct-ingress replicas') the API's host, and HAProxy's metrics and stats
@@ -17,7 +17,7 @@ Each kind of listener is brought in where it is made:
   port (the proxies' own, with `--ingress proxy`) binds the API host, any other loopback.
   HAProxy's API frontends keep Serve's rendering: the API host.
 - pdserve's own (the gateways' delta channels, the KV pairs' and TP groups' rendezvous
-  stores and gloo's pairs) bind the node IP (cluster/rendezvous.py).
+  stores and gloo's pairs) bind the node IP (cluster/host/rendezvous.py).
 
 A cluster of `ray start` nodes is left as it is: its nodes must reach one another, and
 Ray's token authentication guards its control plane (deploy/README.md).

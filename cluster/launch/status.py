@@ -9,8 +9,8 @@ import sys
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from cluster import local_ray
 from cluster.config import APP_NAME
+from cluster.host import local_ray
 
 STATUS_DEADLINE_S = 5.0  # the replicas heard by then are listed: a hung one must not hang the call
 

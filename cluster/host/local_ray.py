@@ -3,7 +3,7 @@ serve` and `generate -tp N` without --address, the benchmarks' local targets, th
 
 Every one starts here, with the same settings: Ray's single-node mode, whose node IP is the
 loopback address, so that Ray's own processes listen there only; Serve's listeners
-rebound by cluster/bind_policy.py in every worker process; and the replicas at nice 0
+rebound by cluster/host/bind_policy.py in every worker process; and the replicas at nice 0
 (cluster/config.py: RAY_SYSTEM_CONFIG).
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import ray
 from ray._private import ray_constants, services
 
-from cluster.bind_policy import LOOPBACK, BindPolicyError, is_loopback, runtime_env
 from cluster.config import RAY_SYSTEM_CONFIG
+from cluster.host.bind_policy import LOOPBACK, BindPolicyError, is_loopback, runtime_env
 
 # "0": Ray runs as on macOS and Windows, a single node whose IP is the loopback address.
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

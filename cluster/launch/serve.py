@@ -1,4 +1,4 @@
-"""`pdserve serve`: run the Serve application (`pdserve status` reports on it: cluster/status.py)."""
+"""`pdserve serve`: run the Serve application (`pdserve status` reports on it: cluster/launch/status.py)."""
 
 from __future__ import annotations
 
@@ -18,22 +18,23 @@ import psutil
 import ray
 from ray import serve
 
-from cluster import engine_cores, ingress, local_ray
-from cluster.app import build_app, grpc_options
-from cluster.bind_policy import LOOPBACK, is_loopback
 from cluster.config import APP_NAME, ClusterConfig, GatewayConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, kv_cache_dtype, rank_kv_cache_bytes
-from cluster.lifetime import running, start_reaper, stop_processes
+from cluster.host import engine_cores, local_ray
+from cluster.host.bind_policy import LOOPBACK, is_loopback
+from cluster.host.openmp import usable_cpus, waiting_env
+from cluster.kv.redis_client import split_password_file
+from cluster.launch import ingress
+from cluster.launch.app import build_app, grpc_options
+from cluster.launch.lifetime import running, start_reaper, stop_processes
+from cluster.launch.options import config_data
+from cluster.launch.ports import port_free
+from cluster.launch.redis_server import PrivateRedis
 from cluster.model.builtin import model_or_builtin
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch
 from cluster.model.loader import resolve_dtype
 from cluster.model.sharding import check_divisible, shard_of
-from cluster.openmp import usable_cpus, waiting_env
-from cluster.ports import port_free
-from cluster.redis_client import split_password_file
-from cluster.redis_server import PrivateRedis
-from cluster.serve_options import config_data
 from router.auth import ENV_VAR, load_api_keys
 
 STOP_POLL_S = 0.2  # how often a stop checks on itself
@@ -43,7 +44,7 @@ RAY_CORE_PROCESSES = frozenset({"gcs_server", "raylet"})  # a local Ray is gone 
 
 
 def config_from_args(args) -> ClusterConfig:
-    """The ClusterConfig of `pdserve serve`'s flags (cluster/serve_options.py), with the
+    """The ClusterConfig of `pdserve serve`'s flags (cluster/launch/options.py), with the
     built-in model when none is given and the API keys from flags, file and environment."""
     data = config_data(args)
     engine = data.setdefault("engine", {})
@@ -113,9 +114,9 @@ def most_replicas(tier) -> int:
 
 def on_this_machine(config: ClusterConfig) -> ClusterConfig:
     """`config` for a cluster whose replicas all run on this machine: its workers wait
-    passively at OpenMP barriers if their threads outnumber its cores (cluster/openmp.py),
+    passively at OpenMP barriers if their threads outnumber its cores (cluster/host/openmp.py),
     and its decode engines get cores of their own if they leave one to spare, its prefill
-    engines yielding to everything else (cluster/engine_cores.py)."""
+    engines yielding to everything else (cluster/host/engine_cores.py)."""
     env = waiting_env(compute_threads(config), usable_cpus())
     cores = engine_cores_of(config)
     prefill_env = {**env, **(cores.prefill_env if cores else {})}
@@ -136,8 +137,8 @@ def engine_cores_of(config: ClusterConfig) -> engine_cores.CorePlan | None:
 
 def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True, api_host: str = LOOPBACK,
                     api_ports: tuple[int, ...] = (), max_message_bytes: int = GatewayConfig.max_body_bytes) -> str:
-    """Start a local Ray (cluster/local_ray.py) whose Serve reaches its gateways by
-    `ingress_mode` (cluster/ingress.py), its proxies serving the API on (api_host,
+    """Start a local Ray (cluster/host/local_ray.py) whose Serve reaches its gateways by
+    `ingress_mode` (cluster/launch/ingress.py), its proxies serving the API on (api_host,
     api_ports) in proxy mode, gRPC messages up to `max_message_bytes`; returns the resolved
     mode, "direct" or "proxy"."""
     with ingress.settings(ingress_mode, max_message_bytes) as mode:

@@ -1,7 +1,7 @@
 """The messages between tiers: gateway -> decode worker -> prefill worker and back.
 
     GenerateRequest   router -> decode      its deltas go back on the gateway's delta
-                                            channel (cluster/delta_channel.py); the call
+                                            channel (cluster/serving/delta_channel.py); the call
                                             returns how many it sent
     PrefillRequest    decode -> prefill     compute this prompt, send me these blocks
                       router -> prefill     (no decode worker) compute this one-token request
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.delta_channel import DeltaAddress
 from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
-from cluster.ports import StoreAddress
-from cluster.routing import RouteHint
+from cluster.host.rendezvous import StoreAddress
+from cluster.serving.delta_channel import DeltaAddress
+from cluster.serving.routing import RouteHint
 
 
 @dataclass(frozen=True)

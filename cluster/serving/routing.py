@@ -43,7 +43,7 @@ def replica_of(worker: str) -> str:
 
 # ---- the replicas Serve routes to, as this process's request routers see them ---------
 
-# Deployment name of each worker tier (cluster/app.py names deployments after their class).
+# Deployment name of each worker tier (cluster/launch/app.py names deployments after their class).
 TIER_DEPLOYMENTS = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
 
 # deployment name -> ids of its replicas that Serve routes to now. Written by the request

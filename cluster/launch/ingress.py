@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from cluster.config import INGRESS_MODES, LOCAL_SERVE_ENVIRONMENT, GatewayConfig
-from cluster.ports import free_port
+from cluster.launch.ports import free_port
 
 # A gateway replica being stopped keeps serving this long before it closes its ports, so
 # that HAProxy's configuration drops it first (Serve's default is 30 s: every redeploy

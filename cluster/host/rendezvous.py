@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 LISTEN_BACKLOG = 128
 
+StoreAddress = tuple[str, int]  # a TCPStore's (host, port): where peers rendezvous
+
 
 def listening_store(host: str, timeout: timedelta) -> dist.TCPStore:
     """A store server on `host` at a free port (`store.port`); it owns its socket, which

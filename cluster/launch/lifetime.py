@@ -42,7 +42,7 @@ def die_with_parent() -> None:
 def start_reaper() -> subprocess.Popen:
     """A reaper of this process's descendants (from the main thread: see die_with_parent)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "cluster.lifetime", str(os.getpid())],
+        [sys.executable, "-m", "cluster.launch.lifetime", str(os.getpid())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

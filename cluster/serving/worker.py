@@ -21,7 +21,7 @@ from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
 from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
 from cluster.model.sharding import kv_routes
-from cluster.routing import RouteHint, replica_unique_id, worker_id
+from cluster.serving.routing import RouteHint, replica_unique_id, worker_id
 
 
 class EngineWorker:
@@ -44,7 +44,7 @@ class EngineWorker:
         self.block_size = engine_config.cache.block_size
         self.index = None
         if redis_url:
-            self.index = IndexPublisher.for_engine(self.engine, redis_url, self.tier, self.replica, engine_config)
+            self.index = IndexPublisher.for_engine(self.engine, redis_url, self.worker_id, self.tier, self.replica, engine_config)
             self.index.start()
         self.transport = None
         if transport is not None:
