@@ -122,7 +122,7 @@ FAILURE_POLICIES = ("retry", "recompute", "fail")
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """How KV blocks move from prefill to decode workers (cluster/kv/transport.py)."""
+    """How KV blocks move from prefill to decode workers (cluster/kv/transport/)."""
 
     timeout_s: float = 30.0  # bound on every wait: rendezvous, send, receive
     # When a prefill worker fails before its reply (retry: ask another prefill replica,

@@ -1,25 +1,27 @@
 """The messages between tiers: gateway -> decode worker -> prefill worker and back.
 
     GenerateRequest   router -> decode      its deltas go back on the gateway's delta
-                                            channel (cluster/serving/delta_channel.py); the call
-                                            returns how many it sent
+                                            channel (cluster/serving/delta_channel.py); the
+                                            call returns how many it sent
     PrefillRequest    decode -> prefill     compute this prompt, send me these blocks
-                      router -> prefill     (no decode worker) compute this one-token request
     PrefillStarted    prefill -> decode     (streamed first, for a prompt of several chunks)
                                             the transfer to receive: its first part is ready
     PrefillResult     prefill -> decode     the first token and the transfer to receive
-                      prefill -> router     the finished one-token request
+    OneTokenRequest   router -> prefill     a request that ends with its next token: no
+                                            decode worker; the answer is its RequestOutput
 
-Each carries the RouteHint Serve's request router reads (router/replica_router.py).
+Each request carries the RouteHint Serve's request router reads (router/replica_router.py).
+KV endpoints are the transports' own (cluster/kv/transport/): the tiers carry them, one
+per tensor-parallel rank, and never read them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.engine.outputs import RequestOutput, TokenLogprob
-from cluster.engine.sampling_params import SamplingParams
-from cluster.host.rendezvous import StoreAddress
+from cluster.engine.input_processor import TokenizedRequest
+from cluster.engine.outputs import TokenLogprob
+from cluster.kv.transport.interface import KVEndpoint
 from cluster.serving.delta_channel import DeltaAddress
 from cluster.serving.routing import RouteHint
 
@@ -27,8 +29,7 @@ from cluster.serving.routing import RouteHint
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: TokenizedRequest  # made (validated) at the gateway
     reply_to: DeltaAddress  # the gateway's DeltaReceiver: where the deltas go
     route: RouteHint = RouteHint()  # which decode replica
     prefill_route: RouteHint = RouteHint()  # which prefill replica the decode worker should call
@@ -39,10 +40,9 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    decode_id: str | None  # the decode worker waiting for the KV; None: the request ends here
-    decode_addresses: tuple[StoreAddress, ...] | None  # its ranks' rendezvous stores (one per TP rank)
+    request: TokenizedRequest
+    decode_id: str  # the decode worker waiting for the KV
+    decode_endpoints: tuple[KVEndpoint, ...]  # where its ranks receive (one per TP rank)
     num_cached_tokens: int  # prompt tokens the decode already holds (whole blocks)
     num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
     route: RouteHint = RouteHint()  # which prefill replica
@@ -56,13 +56,22 @@ class PrefillStarted:
 
     request_id: str
     prefill_id: str
-    session: str  # names the (prefill, decode) process groups the KV travels on
-    transfer_id: int  # matches the decode's receive to this send (-1: nothing is sent)
-    prefill_tp: int  # the prefill replica's ranks: which of them send which KV heads
+    prefill_endpoints: tuple[KVEndpoint, ...]  # where its ranks send from (one per TP rank: which send which KV heads)
+    transfer_id: int  # matches the decode's receive to this send
 
 
 @dataclass(frozen=True)
 class PrefillResult(PrefillStarted):
     first_token_id: int = -1
     first_logprob: TokenLogprob | None = None
-    output: RequestOutput | None = None  # the whole request's last delta, when it ended here
+
+
+@dataclass(frozen=True)
+class OneTokenRequest:
+    """A request that ends with its next token (max_tokens=1, or one left after a
+    migration): a prefill worker computes and finishes it, with its own stop conditions."""
+
+    request_id: str
+    request: TokenizedRequest
+    route: RouteHint = RouteHint()  # which prefill replica
+    generated: tuple[int, ...] = ()  # as GenerateRequest.generated

@@ -19,7 +19,8 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
-from cluster.kv.transport import FaultInjection, KVTransferError, KVTransport
+from cluster.kv.transport.builder import open_transport
+from cluster.kv.transport.interface import KVEndpoint, KVTransferError
 from cluster.model.sharding import kv_routes
 from cluster.serving.routing import RouteHint, replica_unique_id, worker_id
 
@@ -36,11 +37,11 @@ class EngineWorker:
         self.replica = replica_unique_id()
         self.worker_id = worker_id(self.tier, self.replica)
         self.engine = AsyncEngine(lambda: Engine(engine_config))
-        engine = self.engine.engine
-        self.kv_caches = engine.runner.kv_caches
-        self.shard = engine.loaded.model.shard  # rank 0's; the other ranks are engine.ranks' actors
-        self.num_kv_heads = engine.loaded.arch.num_kv_heads
-        self._rank_actors = engine.ranks.actors if engine.ranks is not None else []
+        layout = self.engine.kv_layout
+        self.kv_caches = layout.caches
+        self.shard = layout.shard  # rank 0's; ranks 1..N-1 (their actors) hold the others
+        self.num_kv_heads = layout.num_kv_heads
+        self._rank_actors = layout.rank_actors
         self.block_size = engine_config.cache.block_size
         self.index = None
         if redis_url:
@@ -48,52 +49,43 @@ class EngineWorker:
             self.index.start()
         self.transport = None
         if transport is not None:
-            self.transport = KVTransport(
-                self.tier,
-                self.worker_id,
-                engine_config.device,
-                timeout_s=transport.timeout_s,
-                # The node's address, which peers on other nodes reach (and which tells a
-                # peer on this node that shared memory will do).
-                host=ray.util.get_node_ip_address(),
-                shared_memory=transport.shared_memory,
-                fault_injection=FaultInjection.of(transport),
-            )
+            self.transport = open_transport(self.tier, self.worker_id, engine_config.device, transport,
+                                            host=ray.util.get_node_ip_address())
             others = [a.open_transport.remote(self.tier, self.worker_id, transport) for a in self._rank_actors]
-            self.rank_addresses = (self.transport.address, *ray.get(others))  # decode side: where each rank receives
+            self.rank_endpoints: tuple[KVEndpoint, ...] = (self.transport.endpoint, *ray.get(others))  # each rank's
             self._transfer_wait_s = 4 * transport.timeout_s  # a rank's pieces: rendezvous + send, each bounded
         self._closed = False
 
     # ---- KV hand-off, every rank at once (cluster/kv/tp_transfer.py) -------------------
 
-    def send_kv(self, decode_id: str, decode_addresses, session: str, part: Part, transfer_id: int, abandon: bool = False) -> None:
-        """Send a part of a transfer to decode worker `decode_id` (as many ranks as
-        addresses; `abandon`: end the transfer before it): each rank of this replica sends
+    def send_kv(self, decode_id: str, decode_endpoints: tuple[KVEndpoint, ...], part: Part, transfer_id: int,
+                abandon: bool = False) -> None:
+        """Send a part of a transfer to decode worker `decode_id` (of as many ranks as
+        endpoints; `abandon`: end the transfer before it): each rank of this replica sends
         its pieces. KVTransferError if any piece failed."""
-        routes = kv_routes(self.num_kv_heads, self.shard.size, len(decode_addresses))
+        routes = kv_routes(self.num_kv_heads, self.shard.size, len(decode_endpoints))
         self._on_every_rank(
             [r for r in routes if r.src == 0],
             lambda mine: send_pieces(
-                self.transport, self.kv_caches, self.shard.kv_head_start, mine, decode_id, decode_addresses, session,
-                part, transfer_id, abandon,
+                self.transport, self.kv_caches, self.shard.kv_head_start, mine, decode_id, decode_endpoints, part, transfer_id,
+                abandon,
             ),
             [[r for r in routes if r.src == rank] for rank in range(1, self.shard.size)],
-            lambda actor, pieces: actor.send_pieces.remote(
-                pieces, decode_id, decode_addresses, session, part, transfer_id, abandon
-            ),
+            lambda actor, pieces: actor.send_pieces.remote(pieces, decode_id, decode_endpoints, part, transfer_id, abandon),
         )
 
-    def recv_kv(self, prefill_id: str, prefill_tp: int, session: str, block_ids: list[int], transfer_id: int) -> None:
-        """Receive blocks from prefill worker `prefill_id` (of `prefill_tp` ranks) on every
-        rank of this replica. KVTransferError if any piece failed."""
-        routes = kv_routes(self.num_kv_heads, prefill_tp, self.shard.size)
+    def recv_kv(self, prefill_id: str, prefill_endpoints: tuple[KVEndpoint, ...], block_ids: list[int], transfer_id: int) -> None:
+        """Receive blocks from prefill worker `prefill_id` (of as many ranks as endpoints) on
+        every rank of this replica. KVTransferError if any piece failed."""
+        routes = kv_routes(self.num_kv_heads, len(prefill_endpoints), self.shard.size)
         self._on_every_rank(
             [r for r in routes if r.dst == 0],
             lambda mine: recv_pieces(
-                self.transport, self.kv_caches, self.shard.kv_head_start, mine, prefill_id, session, block_ids, transfer_id
+                self.transport, self.kv_caches, self.shard.kv_head_start, mine, prefill_id, prefill_endpoints, block_ids,
+                transfer_id,
             ),
             [[r for r in routes if r.dst == rank] for rank in range(1, self.shard.size)],
-            lambda actor, pieces: actor.recv_pieces.remote(pieces, prefill_id, session, block_ids, transfer_id),
+            lambda actor, pieces: actor.recv_pieces.remote(pieces, prefill_id, prefill_endpoints, block_ids, transfer_id),
         )
 
     def _on_every_rank(self, mine, run_mine, theirs, start_theirs) -> None:
@@ -127,7 +119,7 @@ class EngineWorker:
             "worker_id": self.worker_id,
             "tier": self.tier,
             "pid": os.getpid(),
-            "ranks": self.engine.engine.rank_info(),  # fixed at start: no engine-thread call
+            "ranks": self.engine.rank_info(),
             **await self.engine.call(Engine.checked_stats),
             **self.tier_stats(),
             "transport": self.transport.stats() if self.transport else {},
@@ -146,9 +138,7 @@ class EngineWorker:
     def check_health(self) -> None:
         """Serve's periodic health check: a replica whose engine is dead (a tensor-parallel
         rank lost) fails it, and Serve replaces the whole replica."""
-        if self.engine.dead is not None:
-            raise self.engine.dead
-        self.engine.engine.check_health()  # (not on the engine thread: it only asks Ray about the rank actors)
+        self.engine.check_health()
 
     def tier_stats(self) -> dict:
         return {}

@@ -10,7 +10,9 @@ their mappings for the next transfer, and a receiver keeps the mappings it has o
     SlotViews  (receiver)  view(pid, index, capacity) -> the sender's file, mapped once
 
 Files are /dev/shm/pdserve-kv-<pid>-<index>-<capacity>: the pid lets a starting sender
-remove the files of senders on this node that died (sweep_dead_senders).
+remove the files of senders on this node that died (sweep_dead_senders). An index is
+never reused within a process, even by another pool: a receiver's mapping cached under a
+name is always that file's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ PREFIX = "pdserve-kv-"
 CAPACITY_STEP = 8 << 20  # capacities round up to this, so a file serves payloads of similar size
 MAX_IDLE_BYTES = 1 << 30  # a sender keeps at most this much in idle files
 MAX_VIEWS = 64  # mappings a receiver keeps
+_index_lock = threading.Lock()
+_next_index = 0  # of this process's next slot file, whichever pool makes it
+
+
+def _new_index() -> int:
+    global _next_index
+    with _index_lock:
+        index, _next_index = _next_index, _next_index + 1
+    return index
+
+
+def next_slot_path(capacity: int) -> str:
+    """The file this process's next new slot of `capacity` takes (tests make it fail by
+    taking the name first)."""
+    with _index_lock:
+        return slot_path(os.getpid(), _next_index, capacity)
 
 
 def available() -> bool:
@@ -80,7 +98,6 @@ class SlotPool:
         self._lock = threading.Lock()
         self._free: list[Slot] = []
         self._live: set[Slot] = set()
-        self._next = 0
 
     def take(self, nbytes: int) -> Slot:
         """A slot of at least nbytes: an idle one if any fits, else a new file. OSError if
@@ -92,7 +109,7 @@ class SlotPool:
                 slot = min(fitting, key=lambda s: s.capacity)
                 self._free.remove(slot)
                 return slot
-            index, self._next = self._next, self._next + 1
+            index = _new_index()
         capacity = -(-max(nbytes, 1) // CAPACITY_STEP) * CAPACITY_STEP
         path = slot_path(os.getpid(), index, capacity)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

@@ -1,7 +1,6 @@
-r"""KV transport: moves KV-cache blocks from a prefill worker to a decode worker.
+r"""The torch.distributed KV transport (interface.py says what every transport does).
 
-Bulk data only. Control (which request, which blocks, in which order) travels over Ray
-calls. Each (prefill, decode) pair gets its own torch.distributed process group, made
+Each (prefill, decode) pair gets its own torch.distributed process group, made
 lazily from a TCPStore rendezvous that the decode worker hosts, outside the default
 world (`init_process_group` is never called): workers come and go as tiers scale.
 ProcessGroupGloo when the KV cache is on CPU, ProcessGroupNCCL when it is on CUDA;
@@ -9,10 +8,10 @@ the rest of the code is the same.
 
     prefill P (rank 0)                          decode D (rank 1, hosts the TCPStore)
     ------------------                          -------------------------------------
-                    <--- D.address, session s (control plane) ---
-    ensure_group(D, D.address, s)               ensure_group(P, D.address, s)
-          \_____ rendezvous under "pdserve/kv/P/D/s"; both block until both joined ___/
-    send_blocks(D, caches, src_ids, t)          recv_blocks(P, caches, dst_ids, t)
+          endpoints: D's (host, store port), P's session s, exchanged by the tiers
+    send(D, D's endpoint, caches, src_ids, t)   receive(P, P's endpoint, caches, dst_ids, t)
+          \_____ the pair's group, made at its first transfer: rendezvous under
+                 "pdserve/kv/P/D/s" at D's store; both block until both joined ___/
       packed = pack_blocks(caches, src_ids)       (N = len(dst_ids) blocks in all)
       header [magic, t, first, n, N, L, bs, Hk, D, dtype] --tag 2t-->  must equal the
                                                              expected header, else
@@ -29,7 +28,7 @@ arrives.
 
 On one host (the decode's store host is the sender's own) with the cache on CPU, the
 payload skips the sockets: the sender packs straight into a shared-memory slot
-(cluster/kv/shm_slots.py: files kept mapped on both sides and reused), sends a header
+(shm_slots.py: files kept mapped on both sides and reused), sends a header
 with the shared-memory magic that names the slot, and waits for the receiver's
 one-word ack, which comes after the receiver has unpacked the slot into its cache: one
 copy on each side, no socket copies, no page faults. After a failure the slot is
@@ -56,173 +55,44 @@ Invariants and failure handling:
   once per dead group, so both derive the same name.
 """
 
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-import zlib
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from cluster.host.openmp import serial_torch
 from cluster.host.rendezvous import StoreAddress, listening_store
-from cluster.kv import shm_slots
+from cluster.kv.transport import shm_slots, wire
+from cluster.kv.transport.faults import FaultInjection
+from cluster.kv.transport.interface import KVEndpoint, KVTransferError, KVTransport, Role
+from cluster.kv.transport.packing import CacheGeometry, KVCaches, block_index, cache_geometry, pack_blocks, unpack_blocks
 
 log = logging.getLogger(__name__)
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [num_blocks, bs, Hk, D]
-Role = Literal["prefill", "decode"]
-
 PREFILL_RANK, DECODE_RANK = 0, 1
-_MAGIC = 0x4B565846  # "KVXF"
-_FAILED_MAGIC = 0x4B564641  # "KVFA": the sender could not send this transfer
-_SHM_MAGIC = 0x4B56534D  # "KVSM": the payload waits in a shared-memory slot
 
 
-def _tags(transfer_id: int) -> tuple[int, int]:
-    """(header tag, payload tag): unique per transfer, so concurrent transfers of one pair
-    match by id, not by the order the two sides post them in."""
-    return 2 * transfer_id, 2 * transfer_id + 1
-_HEADER_FIELDS = ("magic", "transfer_id", "first", "num_blocks", "total", "num_layers", "block_size", "num_kv_heads", "head_dim",
-                  "dtype")
-_NUM_BLOCKS = _HEADER_FIELDS.index("num_blocks")  # the part's own count: the receiver reads it
-_CHECKED = len(_HEADER_FIELDS)  # then the slot's (pid, index, capacity): shared memory only
+@dataclass(frozen=True)
+class StoreEndpoint(KVEndpoint):
+    """A TorchDistTransport's endpoint: its host, and the decode side's rendezvous store
+    port or the prefill side's session (new per transport: a restarted worker gets fresh
+    groups)."""
 
-
-class KVTransferError(RuntimeError):
-    """A transfer, or the process group it needs, failed or timed out."""
+    host: str
+    store_port: int | None = None  # decode side
+    session: str | None = None  # prefill side
 
 
 class _SenderFailed(Exception):
     """The sender's failure notice arrived in place of the data (the group is healthy)."""
-
-
-@dataclass(frozen=True)
-class FaultInjection:
-    """Transfers the SENDER fails on purpose (a broken link): before sending anything, or,
-    with `midway`, at their second part (after the first one went through)."""
-
-    fail_transfer_ids: frozenset[int] = frozenset()
-    fail_every_nth: int = 0  # 0: off; n: every n-th send_blocks call of this transport
-    midway: bool = False
-
-    @classmethod
-    def of(cls, transport) -> FaultInjection:
-        """The faults a TransportConfig (cluster/config.py) asks for."""
-        return cls(frozenset(transport.fail_transfer_ids), transport.fail_every_nth, transport.fail_midway)
-
-    def selects(self, transfer_id: int, attempt: int, first: int = 0) -> bool:
-        """attempt: 1-based count of send_blocks calls on this transport; first: the part's
-        first block within its transfer."""
-        if self.midway and first == 0:
-            return False
-        every = self.fail_every_nth
-        return transfer_id in self.fail_transfer_ids or (every > 0 and attempt % every == 0)
-
-
-# ---- packing ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def packed_shape(self, n: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, n, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def packed_nbytes(self, n: int) -> int:
-        return torch.Size(self.packed_shape(n)).numel() * self.dtype.itemsize
-
-
-def cache_geometry(kv_caches: KVCaches) -> CacheGeometry:
-    """The shared shape of all layers' K and V caches; ValueError if they differ."""
-    if not kv_caches:
-        raise ValueError("kv_caches is empty")
-    k0 = kv_caches[0][0]
-    if k0.dim() != 4:
-        raise ValueError(f"cache tensors must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k0.shape)}")
-    for layer, (k, v) in enumerate(kv_caches):
-        for t in (k, v):
-            if t.shape != k0.shape or t.dtype != k0.dtype or t.device != k0.device:
-                raise ValueError(
-                    f"layer {layer}: cache {tuple(t.shape)} {t.dtype} on {t.device} differs from layer 0's "
-                    f"{tuple(k0.shape)} {k0.dtype} on {k0.device}"
-                )
-    num_blocks, block_size, num_kv_heads, head_dim = k0.shape
-    return CacheGeometry(len(kv_caches), num_blocks, block_size, num_kv_heads, head_dim, k0.dtype, k0.device)
-
-
-def _block_index(block_ids: Sequence[int], num_blocks: int, device: torch.device, unique: bool) -> torch.Tensor:
-    ids = [int(b) for b in block_ids]
-    bad = [b for b in ids if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"block ids {bad} out of range [0, {num_blocks})")
-    if unique and len(set(ids)) != len(ids):
-        raise ValueError(f"duplicate destination block ids in {ids}")
-    return torch.tensor(ids, dtype=torch.long, device=device)  # [n]
-
-
-def pack_blocks(kv_caches: KVCaches, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy the given blocks of every layer into one contiguous [L, 2, n, bs, Hk, D] tensor
-    (`out`, when given: e.g. a shared-memory file's)."""
-    geometry = cache_geometry(kv_caches)
-    idx = _block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # [n]
-    packed = out if out is not None else torch.empty(geometry.packed_shape(len(idx)), dtype=geometry.dtype, device=geometry.device)
-    with serial_torch():  # a transfer's thread, not the engine's: no OpenMP team of its own
-        for layer, (k, v) in enumerate(kv_caches):  # k, v: [num_blocks, bs, Hk, D]
-            torch.index_select(k, 0, idx, out=packed[layer, 0])  # packed[layer, 0]: [n, bs, Hk, D]
-            torch.index_select(v, 0, idx, out=packed[layer, 1])
-    return packed
-
-
-def unpack_blocks(kv_caches: KVCaches, block_ids: Sequence[int], packed: torch.Tensor) -> None:
-    """Write packed [L, 2, n, bs, Hk, D] into the given blocks of every layer, in place."""
-    geometry = cache_geometry(kv_caches)
-    idx = _block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # [n]
-    expected = geometry.packed_shape(len(idx))
-    if tuple(packed.shape) != expected or packed.dtype != geometry.dtype or packed.device != geometry.device:
-        raise ValueError(
-            f"packed {tuple(packed.shape)} {packed.dtype} on {packed.device} does not fit {len(idx)} blocks "
-            f"of this cache: expected {expected} {geometry.dtype} on {geometry.device}"
-        )
-    with serial_torch():
-        for layer, (k, v) in enumerate(kv_caches):
-            k.index_copy_(0, idx, packed[layer, 0])
-            v.index_copy_(0, idx, packed[layer, 1])
-
-
-# ---- wire header --------------------------------------------------------------------
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode())  # the same in every process
-
-
-def _header(
-    transfer_id: int, first: int, n: int, total: int, geometry: CacheGeometry, magic: int = _MAGIC,
-    slot: tuple[int, int, int] = (0, 0, 0),
-) -> torch.Tensor:
-    g = geometry
-    values = [magic, transfer_id, first, n, total, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, _dtype_code(g.dtype),
-              *slot]
-    return torch.tensor(values, dtype=torch.int64, device=g.device)  # header: [13]
-
-
-def _header_mismatch(expected: torch.Tensor, got: torch.Tensor) -> str:
-    pairs = zip(_HEADER_FIELDS, expected.tolist(), got.tolist())
-    return ", ".join(f"{name} {g} (expected {e})" for name, e, g in pairs if e != g)
 
 
 # ---- process groups -----------------------------------------------------------------
@@ -280,10 +150,8 @@ class _Counters:
     transfers_shared_memory: int = 0  # of transfers_ok, those whose payload went through shared memory
 
 
-class KVTransport:
-    """One per worker. Thread-safe; transfers with different peers may run concurrently.
-
-    host: this worker's reachable address; the decode side's store and every gloo
+class TorchDistTransport(KVTransport):
+    """host: this worker's reachable address; the decode side's store and every gloo
     connection listen on it.
     shared_memory: a CPU payload to a decode worker on this host goes through a
     shared-memory file rather than the group's sockets.
@@ -325,22 +193,37 @@ class KVTransport:
         self._counters = _Counters()
         self._closed = False
         self._store: dist.TCPStore | None = None
+        self._session = None
         if role == "decode":
             self._store = listening_store(host, self._timeout)
+        else:
+            self._session = uuid.uuid4().hex[:8]
 
     @property
-    def address(self) -> StoreAddress | None:
-        """The rendezvous store's (host, port) on the decode side; None on the prefill side."""
-        return (self.host, self._store.port) if self._store is not None else None
+    def endpoint(self) -> StoreEndpoint:
+        if self._store is not None:
+            return StoreEndpoint(self.host, store_port=self._store.port)
+        return StoreEndpoint(self.host, session=self._session)
 
     # ---- groups ---------------------------------------------------------------------
 
-    def ensure_group(self, peer_id: str, store_address: StoreAddress, session: str) -> None:
-        """Make the group with `peer_id` for `session` unless it exists; blocks until the
-        peer joins too (<= timeout_s) and raises KVTransferError if it does not. A new
-        session replaces the peer's old group. Later calls with the same session return
-        once the first one is done, without raising: should the group be down, the next
-        transfer remakes it. The decode side passes its own address (ignored there)."""
+    def connect(self, peer_id: str, peer: KVEndpoint) -> None:
+        self._ensure_group(peer_id, peer)
+
+    def _ensure_group(self, peer_id: str, peer: KVEndpoint) -> None:
+        """Make the group with `peer_id` unless it exists for the pair's session (the prefill
+        side's); blocks until the peer joins too (<= timeout_s) and raises KVTransferError if
+        it does not. A new session replaces the peer's old group. Later calls with the same
+        session return once the first one is done, without raising: should the group be
+        down, the next transfer remakes it."""
+        if not isinstance(peer, StoreEndpoint):
+            raise KVTransferError(f"{self.worker_id}: {peer_id!r}'s endpoint {peer!r} is not a torch.distributed one")
+        if self.role == "prefill":
+            store_address, session = (peer.host, peer.store_port), self._session
+        else:
+            store_address, session = (self.host, self._store.port), peer.session
+        if store_address[1] is None or session is None:
+            raise KVTransferError(f"{self.worker_id}: {peer_id!r}'s endpoint {peer!r} is not a {self._peer_role()}'s")
         self._reap_idle()
         pair, created, replaced = self._register(peer_id, tuple(store_address), session)
         if replaced is not None:
@@ -367,14 +250,6 @@ class KVTransport:
             log.info("%s: closing the KV group with idle peer %s", self.worker_id, pair.peer_id)
             self._discard(pair)
 
-    def close_peer(self, peer_id: str) -> None:
-        """Forget a peer and tear its group down (idempotent). A transfer in flight with it
-        fails within its timeout."""
-        with self._lock:
-            pair = self._pairs.pop(peer_id, None)
-        if pair is not None:
-            self._discard(pair)
-
     def close(self) -> None:
         """Tear down every group and stop the store. The transport is unusable afterwards."""
         with self._lock:
@@ -388,29 +263,20 @@ class KVTransport:
             if shared is not None:
                 shared.close()
 
-    def __enter__(self) -> KVTransport:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ---- transfers ------------------------------------------------------------------
 
-    def send_blocks(
-        self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int, first: int = 0,
+    def send(
+        self, peer_id: str, peer: KVEndpoint, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int, first: int = 0,
         total: int | None = None,
     ) -> None:
-        """Send blocks `block_ids` of `kv_caches` to decode worker `peer_id`: blocks [first,
-        first + len) of transfer `transfer_id`, which has `total` blocks in all (default:
-        these are all of them); returns once the peer has them. The parts of one transfer go
-        in order. KVTransferError on failure or timeout."""
-        self._require_role("prefill", "send_blocks")
+        self._require_role("prefill", "send")
         start = time.perf_counter()
         geometry = cache_geometry(kv_caches)
-        _block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # ValueError before any I/O
+        block_index(block_ids, geometry.num_blocks, geometry.device, unique=False)  # ValueError before any I/O
         total = first + len(block_ids) if total is None else total
         if not 0 <= first <= first + len(block_ids) <= total:
             raise ValueError(f"part [{first}, {first + len(block_ids)}) is not within a transfer of {total} blocks")
+        self._ensure_group(peer_id, peer)
         pair = self._pair_for_transfer(peer_id, transfer_id)
         pg, failure, shared = None, None, False
         try:
@@ -424,7 +290,7 @@ class KVTransport:
                 shared = self._on_this_host(pair) and len(block_ids) > 0
                 shared = shared and self._send_shared(pg, kv_caches, block_ids, geometry, transfer_id, first, total)
                 if not shared:
-                    header = _header(transfer_id, first, len(block_ids), total, geometry)  # [13]
+                    header = wire.header(transfer_id, first, len(block_ids), total, geometry)  # [13]
                     self._send_once(pg, header, pack_blocks(kv_caches, block_ids), transfer_id)
         except Exception as e:
             failure = self._failed(pair, pg, transfer_id, "send", e)
@@ -437,11 +303,9 @@ class KVTransport:
             bytes_sent=geometry.packed_nbytes(len(block_ids)), seconds_sending=time.perf_counter() - start,
         )
 
-    def abandon(self, peer_id: str, kv_caches: KVCaches, transfer_id: int, first: int, total: int) -> None:
-        """End transfer `transfer_id` before its blocks from `first` on (its prompt was
-        aborted or preempted): the receiver's wait for them fails at once. Best effort: a
-        group that is down already fails the receiver anyway."""
+    def abandon(self, peer_id: str, peer: KVEndpoint, kv_caches: KVCaches, transfer_id: int, first: int, total: int) -> None:
         self._require_role("prefill", "abandon")
+        self._ensure_group(peer_id, peer)
         pair = self._pair_for_transfer(peer_id, transfer_id)
         pg, failure = None, None
         try:
@@ -453,18 +317,16 @@ class KVTransport:
         self._count(transfers_failed=int(failure is None))  # (_failed counted the other case)
 
     def _send_notice(self, pg, transfer_id: int, first: int, total: int, geometry: CacheGeometry) -> None:
-        notice = _header(transfer_id, first, 0, total, geometry, _FAILED_MAGIC)
-        self._wait(pg.send([notice], DECODE_RANK, _tags(transfer_id)[0]), "failure notice send")
+        notice = wire.header(transfer_id, first, 0, total, geometry, wire.FAILED_MAGIC)
+        self._wait(pg.send([notice], DECODE_RANK, wire.tags(transfer_id)[0]), "failure notice send")
 
-    def recv_blocks(self, peer_id: str, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> None:
-        """Receive transfer `transfer_id` from prefill worker `peer_id` into blocks
-        `block_ids` of `kv_caches`, in as many parts as the sender makes of it. KVTransferError
-        on failure, timeout, or if the peer sent a different transfer; the blocks of the parts
-        that arrived before it hold their KV, the others are untouched."""
-        self._require_role("decode", "recv_blocks")
+    def receive(self, peer_id: str, peer: KVEndpoint, kv_caches: KVCaches, block_ids: Sequence[int], transfer_id: int) -> None:
+        """(Also KVTransferError if the peer sent a different transfer than this one.)"""
+        self._require_role("decode", "receive")
         start = time.perf_counter()
         geometry = cache_geometry(kv_caches)
-        _block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # ValueError before any I/O
+        block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # ValueError before any I/O
+        self._ensure_group(peer_id, peer)
         pair = self._pair_for_transfer(peer_id, transfer_id)
         pg, failure, shared = None, None, True
         try:
@@ -529,7 +391,7 @@ class KVTransport:
             else:
                 pair.last_used = time.monotonic()
         if pair is None:
-            raise KVTransferError(f"{self.worker_id}: transfer {transfer_id}: no group with {peer_id!r}; call ensure_group first")
+            raise KVTransferError(f"{self.worker_id}: transfer {transfer_id}: no group with {peer_id!r} (it was closed)")
         return pair
 
     def _live_group(self, pair: _Pair):
@@ -553,7 +415,7 @@ class KVTransport:
             pg = _new_process_group(store, self._rank, self.device, self._timeout, self.host)
         except Exception as e:
             raise KVTransferError(f"{self.worker_id}: no group with {pair.peer_id!r} (rendezvous {prefix!r}): {e}") from e
-        if pair.closed:  # close_peer ran while we waited for the peer
+        if pair.closed:  # the pair was discarded (replaced, reaped, closed) while we waited for the peer
             _shut_down(pg)
             raise KVTransferError(f"{self.worker_id}: peer {pair.peer_id!r} was closed during the rendezvous")
         pair.pg = pg
@@ -563,12 +425,12 @@ class KVTransport:
         """A store client of the pair's own, kept across rebuilds: a TCPStore object runs one
         request at a time, so rendezvous sharing one would wait for each other."""
         if pair.store is None:
-            host, port = self.address if self.role == "decode" else pair.store_address
+            host, port = pair.store_address
             pair.store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout)
         return pair.store
 
     def _send_once(self, pg, header: torch.Tensor, packed: torch.Tensor, transfer_id: int) -> None:
-        header_tag, payload_tag = _tags(transfer_id)
+        header_tag, payload_tag = wire.tags(transfer_id)
         self._wait(pg.send([header], DECODE_RANK, header_tag), "header send")
         if packed.numel():
             self._wait(pg.send([packed], DECODE_RANK, payload_tag), "payload send")
@@ -579,19 +441,19 @@ class KVTransport:
         """Receive the part that starts at block `first` and write its blocks; returns (its
         blocks, whether it came through shared memory). Its header must be the expected one
         (but for the path's magic, the slot and the part's size, which must fit)."""
-        header_tag, payload_tag = _tags(transfer_id)
+        header_tag, payload_tag = wire.tags(transfer_id)
         total = len(block_ids)
-        header = torch.empty(len(_HEADER_FIELDS) + 3, dtype=torch.int64)  # [13]
+        header = torch.empty(wire.HEADER_WORDS, dtype=torch.int64)  # [13]
         self._wait(pg.recv([header], PREFILL_RANK, header_tag), "header recv")
-        magic, n, slot = int(header[0]), int(header[_NUM_BLOCKS]), tuple(header[_CHECKED:].tolist())
-        if magic == _FAILED_MAGIC:
+        magic, n, slot = int(header[0]), int(header[wire.NUM_BLOCKS]), tuple(header[wire.CHECKED:].tolist())
+        if magic == wire.FAILED_MAGIC:
             raise _SenderFailed(f"the sender reported it could not send (at block {first} of {total})")
-        expected = _header(transfer_id, first, n, total, geometry)
-        header[0] = _MAGIC if magic == _SHM_MAGIC else magic
-        if not torch.equal(header[:_CHECKED], expected[:_CHECKED]) or not (0 < n <= total - first or n == total == 0):
-            raise KVTransferError(f"unexpected transfer header: {_header_mismatch(expected, header)} (part of {n} blocks)")
+        expected = wire.header(transfer_id, first, n, total, geometry)
+        header[0] = wire.MAGIC if magic == wire.SHM_MAGIC else magic
+        if not torch.equal(header[:wire.CHECKED], expected[:wire.CHECKED]) or not (0 < n <= total - first or n == total == 0):
+            raise KVTransferError(f"unexpected transfer header: {wire.header_mismatch(expected, header)} (part of {n} blocks)")
         part, shape = block_ids[first : first + n], geometry.packed_shape(n)
-        if magic == _SHM_MAGIC:
+        if magic == wire.SHM_MAGIC:
             done = torch.zeros(1, dtype=torch.int64)
             try:
                 unpack_blocks(kv_caches, part, shm_slots.view_as(self._views.view(*slot), shape, geometry.dtype))
@@ -625,8 +487,8 @@ class KVTransport:
             return False
         try:
             pack_blocks(kv_caches, block_ids, out=shm_slots.view_as(slot.data, geometry.packed_shape(n), geometry.dtype))
-            header_tag, payload_tag = _tags(transfer_id)
-            header = _header(transfer_id, first, n, total, geometry, _SHM_MAGIC, (slot.pid, slot.index, slot.capacity))
+            header_tag, payload_tag = wire.tags(transfer_id)
+            header = wire.header(transfer_id, first, n, total, geometry, wire.SHM_MAGIC, (slot.pid, slot.index, slot.capacity))
             self._wait(pg.send([header], DECODE_RANK, header_tag), "header send")
             done = torch.zeros(1, dtype=torch.int64)
             self._wait(pg.recv([done], DECODE_RANK, payload_tag), "shared-memory ack recv")
@@ -684,6 +546,9 @@ class KVTransport:
     def _check_open(self) -> None:
         if self._closed:
             raise KVTransferError(f"{self.worker_id}: transport is closed")
+
+    def _peer_role(self) -> Role:
+        return "decode" if self.role == "prefill" else "prefill"
 
     def _require_role(self, role: Role, method: str) -> None:
         if self.role != role:
