@@ -189,7 +189,8 @@ def test_rate_limit_per_key_is_shared_through_redis(live, auth):
     other_key = "sk-other-key"
     with PrivateRedis() as limiter_redis:
         live.redeploy(
-            GatewayConfig(api_keys=(API_KEY, other_key), rate_limit_rps=0.2, rate_limit_burst=2),
+            # A token comes back every 1000 s: none within the test, however slow the machine.
+            GatewayConfig(api_keys=(API_KEY, other_key), rate_limit_rps=0.001, rate_limit_burst=2),
             redis_url=limiter_redis.url,
             gateways=2,
         )
