@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import re
 import statistics
@@ -37,6 +36,7 @@ from ray import serve
 from cluster.bench.flags import local_engine_config
 from cluster.bench.offline_target import offline_target, run_offline
 from cluster.bench.plots import plot_attainment, plot_compare
+from cluster.bench.provenance import write_result
 from cluster.bench.serve_bench import run_once
 from cluster.config import APP_NAME, ClusterConfig, RoutingConfig, TierConfig
 from cluster.launch.app import build_app
@@ -73,7 +73,7 @@ def run_sweep(args) -> int:
     summary = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "attainment_target": args.attainment,
                "max_rate_meeting_slo": best, "points": points, "dataset_name": args.dataset_name}
     path = summary_path(args, "sweep.json")
-    path.write_text(json.dumps(summary, indent=2))
+    write_result(path, summary)
     plot = plot_attainment(rates, [p["attainment"] for p in points], args.attainment, path.with_name(f"{path.stem}-attainment.png"),
                            f"SLO attainment: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
     print(f"wrote {path} and {plot}")
@@ -212,7 +212,7 @@ def run_compare(args) -> int:
                "runs": {label: [{k: r[k] for k in (*COMPARED, "completed", "failed", "server_metrics")} for r in rs]
                         for label, rs in runs.items()}}
     path = summary_path(args, "compare.json")
-    path.write_text(json.dumps(summary, indent=2))
+    write_result(path, summary)
     plot = plot_compare((args.target_a, args.target_b), medians, path.with_suffix(".png"))
     print(f"wrote {path} and {plot}")
     return 0
