@@ -27,6 +27,7 @@ from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.engine.runner import kv_bytes_per_block
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host.cpu_features import cpu_summary
 from cluster.model.linear import Linear
 from kernels import cpu as cpu_kernels
 
@@ -262,7 +263,7 @@ def run_engine_bench(args) -> int:
         results["runs"].append(run)
     engine.close()  # tensor parallel: the other ranks' processes
 
-    print(f"\nCPU: {results['cpu']}; CPU ops: {results['cpu_ops']}")
+    print(f"\nCPU: {cpu_summary()}; CPU ops: {results['cpu_ops']}")
     print(f"weights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
     print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")
     for run in results["runs"]:
