@@ -113,7 +113,7 @@ def test_redis_down_degrades_to_prefix_hash_and_recovers_when_back(live, engine_
         index_redis.stop()
         run(handle, prompts[6:12])  # every request completes ...
         assert metric(scrape(live), "pdserve_route_fallbacks_total", reason="index_unavailable") == 6  # ... degraded, counted
-        back = PrivateRedis(port=index_redis.port)  # empty: the workers must republish
+        back = PrivateRedis(port=index_redis.port, password_file=index_redis.password_file)  # empty: the workers must republish
         try:
             assert wait_until(
                 lambda: all(s["index"]["snapshots"] >= 2 for t in handle.worker_stats.remote().result().values() for s in t.values()),

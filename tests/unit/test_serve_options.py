@@ -61,7 +61,8 @@ def test_ingress_flag_and_its_ray_settings():
     with pytest.raises(ValueError, match="ingress must be one of"):  # Serve YAML args go through the config too
         from_dict(ClusterConfig, {"engine": {"model": "m"}, "ingress": "haproxy"})
     proxy = ingress.environment("proxy", local=True)
-    assert proxy == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert proxy == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0",
+                     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(4 << 20)}  # gRPC messages: the HTTP body limit
     direct = ingress.environment("direct", local=True)
     assert direct["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == direct["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert float(direct["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) < 30  # not Serve's 30 s per stopping gateway
