@@ -9,10 +9,11 @@ numerical spec (tests compare the two) and the path where the kernels cannot run
 Build: `cc -O3 -march=native`, plus the `-mno-*` switches that `configure()` is given
 (cluster/host/cpu_features.py derives them from PDSERVE_CPU_DISABLE, and the model loader
 passes them), so the AVX2 code of an AVX-512 machine can be built and tested there. The
-library is cached under ~/.cache/pdserve/kernels by a hash of the source, the flags, the
-compiler binary and this CPU's identity (/proc/cpuinfo, what `-march=native` reads): a
-different CPU never loads a library built for another, and a cached library costs no
-compiler run. Plain C without torch's headers: a build takes about a second.
+library is cached under ~/.cache/pdserve/kernels by a hash of the sources (every file of
+csrc/), the flags, the compiler binary and this CPU's identity (/proc/cpuinfo, what
+`-march=native` reads): a different CPU never loads a library built for another, and a
+cached library costs no compiler run. Plain C without torch's headers: a build takes about
+a second.
 
 Calls go through ctypes with raw pointers (a few microseconds each); torch's OpenMP
 runtime is already loaded when the library is, so both share one thread pool.
@@ -105,11 +106,17 @@ def _this_cpu() -> str:
     return "\n".join(line for line in first.splitlines() if line.split(":", 1)[0].strip() in fields)
 
 
+def _sources() -> list[Path]:
+    """Every file of SOURCE's directory: what a build may read (SOURCE and what it includes)."""
+    return sorted(SOURCE.parent.glob("*.[ch]"))
+
+
 def _library_path(cc: str, flags: list[str]) -> Path:
     binary = Path(shutil.which(cc) or cc).resolve()
     stat = binary.stat()
     compiler = f"{binary} {stat.st_size} {stat.st_mtime_ns}"  # a compiler upgrade rebuilds
-    key = "\n".join([SOURCE.read_text(), " ".join(flags), compiler, _this_cpu()])
+    sources = [f"{path.name}\n{path.read_text()}" for path in _sources()]  # an edit to any of them rebuilds
+    key = "\n".join([*sources, " ".join(flags), compiler, _this_cpu()])
     return CACHE_DIR / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 

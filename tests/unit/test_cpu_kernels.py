@@ -6,6 +6,7 @@ Exactness: rotary, store_kv and bf16 RMSNorm round exactly as torch does, so the
 equal; sums (linear, RMSNorm's mean, attention) differ from torch's only in summation order.
 """
 
+import shutil
 import subprocess
 
 import pytest
@@ -334,6 +335,21 @@ def test_paged_attention_softmax_survives_large_scores(dtype):
     out = cpu.paged_attention_decode(q, k_cache, v_cache, tables, lens, 1.0)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), _naive_decode_attention(q, k_cache, v_cache, tables, lens, 1.0), **_tol(dtype))
+
+
+def test_an_edit_to_any_source_file_builds_anew(tmp_path, monkeypatch):
+    """The cache key hashes every file of csrc/, not the compiled file alone (it includes the
+    others): a library built before an edit to any of them is never loaded after it."""
+    sources = tmp_path / "csrc"
+    shutil.copytree(cpu.SOURCE.parent, sources)
+    monkeypatch.setattr(cpu, "SOURCE", sources / cpu.SOURCE.name)
+    cc, flags = cpu._compiler(), cpu.compile_flags()
+    keys = {cpu._library_path(cc, flags)}
+    files = sorted(sources.iterdir())
+    for path in files:
+        path.write_text(path.read_text() + "\n")
+        keys.add(cpu._library_path(cc, flags))
+    assert len(keys) == len(files) + 1
 
 
 def test_a_missing_compiler_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):
