@@ -1,4 +1,4 @@
-"""The C kernels (kernels/csrc/cpu_kernels.c) against their torch references, built twice:
+"""The C kernels (kernels/csrc/) against their torch references, built twice:
 for this CPU (`-march=native`) and capped at AVX2 (as on an AVX2-only EPYC), so both code
 paths run on any machine. Also: the build cache, the fallback when nothing can be built.
 
@@ -28,7 +28,7 @@ SSE_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx2
 # caps it, so that a suite run with avx512 off tests what an AVX2-only CPU runs), capped at
 # AVX2, without AVX (4-lane vectors), on an AMX CPU also without AMX (as on an AMD EPYC with
 # AVX-512-BF16), and on an AVX-512-BF16 CPU also without bf16 products (as on an Intel Xeon
-# before Cooper Lake: bf16 weights widened to fp32, 16 lanes), so each code path of the C file
+# before Cooper Lake: bf16 weights widened to fp32, 16 lanes), so each code path of the C files
 # runs here.
 ISA_BUILDS = {"native": compiler_isa_flags(detect()), "AVX2": AVX2_FLAGS, "SSE": SSE_FLAGS}
 if features_from_flags(cpu_flags(), frozenset()).amx:
