@@ -20,8 +20,8 @@ from cluster.bench.flags import (
     add_sweep_flags,
 )
 from cluster.config import DTYPES, CacheConfig, EngineConfig
-from cluster.cpu_features import CpuCapabilityError, detect
-from cluster.serve_options import add_serve_flags as add_config_flags
+from cluster.host.cpu_features import CpuCapabilityError, detect
+from cluster.launch.options import add_serve_flags as add_config_flags
 from cluster.testing import ARCHS, SIZES
 
 # Parsing a command line (and --help) imports neither torch nor Ray: each command's code
@@ -194,11 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a non-loopback --host without API keys (anyone who reaches it may generate)")
     s.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     s.add_argument("--api-key", action="append", help="require this API key (repeatable; also $PDSERVE_API_KEY)")
-    s.set_defaults(fn=_runs("cluster.serve_main:run_serve"))
+    s.set_defaults(fn=_runs("cluster.launch.serve:run_serve"))
 
     st = sub.add_parser("status", help="replicas per tier, queue depths and KV usage of a running cluster")
     st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else 'auto')")
-    st.set_defaults(fn=_runs("cluster.status:run_status"))
+    st.set_defaults(fn=_runs("cluster.launch.status:run_status"))
     return p
 
 
@@ -225,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The errors a user fixes from the message alone (one line, exit status 2) beyond the
-# built-in ones, as (module, name): cluster.serve_main imports torch and Ray.
+# built-in ones, as (module, name): cluster.launch.serve imports torch and Ray.
 _USER_ERROR_TYPES = (
     ("cluster.model.checkpoint", "ModelLoadError"),
-    ("cluster.serve_main", "ServeStartError"),
+    ("cluster.launch.serve", "ServeStartError"),
 )
 
 

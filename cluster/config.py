@@ -13,8 +13,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 KV_CACHE_DTYPE_HELP = "auto: the model's dtype; bfloat16 halves a float32 model's KV memory and attention reads"
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 ROUTING_POLICIES = ("kv_aware", "prefix_hash", "round_robin", "power_of_two")
-INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/ingress.py
-ENGINE_CORES = ("auto", "own", "shared")  # cluster/engine_cores.py
+INGRESS_MODES = ("auto", "direct", "proxy")  # cluster/launch/ingress.py
+ENGINE_CORES = ("auto", "own", "shared")  # cluster/host/engine_cores.py
 GGUF_SUFFIX = ".gguf"
 APP_NAME = "pdserve"  # the Serve application `pdserve serve` runs and `pdserve status` asks
 # For every local Ray pdserve starts (deploy/cluster.yaml's `ray start` commands set the
@@ -122,7 +122,7 @@ FAILURE_POLICIES = ("retry", "recompute", "fail")
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """How KV blocks move from prefill to decode workers (cluster/kv/transport.py)."""
+    """How KV blocks move from prefill to decode workers (cluster/kv/transport/)."""
 
     timeout_s: float = 30.0  # bound on every wait: rendezvous, send, receive
     # When a prefill worker fails before its reply (retry: ask another prefill replica,
@@ -218,7 +218,7 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How the gateway places requests on workers (router/router.py, cluster/routing.py)."""
+    """How the gateway places requests on workers (router/router.py, cluster/serving/routing.py)."""
 
     policy: str = "kv_aware"  # kv_aware | prefix_hash | round_robin | power_of_two
     index_timeout_s: float = 0.05  # a prefix-index lookup slower than this falls back to prefix_hash
@@ -266,12 +266,12 @@ class ClusterConfig:
     colocated: bool = False  # one engine per replica doing both phases (decode tier only)
     http_port: int = 8000
     grpc_port: int = 9000
-    # How clients reach the gateways (cluster/ingress.py): a local Ray's setting; a Ray
+    # How clients reach the gateways (cluster/launch/ingress.py): a local Ray's setting; a Ray
     # cluster's own is set where it starts (deploy/cluster.yaml).
     ingress: str = "auto"
     # A local CPU cluster's decode engines on cores of their own, its prefill engines
     # yielding: when every engine thread has a core (auto), whenever the decode threads
-    # leave one to spare (own), or never (shared): cluster/engine_cores.py.
+    # leave one to spare (own), or never (shared): cluster/host/engine_cores.py.
     engine_cores: str = "auto"
     redis_url: str | None = None
     gateway: GatewayConfig = GatewayConfig()

@@ -1,7 +1,7 @@
 """Errors that cross process and tier boundaries: raised in the engine or a worker,
 mapped to HTTP and gRPC statuses by the gateway (router/errors.py). Every tier imports
 them from here, so no tier imports another to recognise a failure. The engine raises them
-too, so this module imports no Ray: which of them a request survives is cluster/faults.py."""
+too, so this module imports no Ray: which of them a request survives is cluster/serving/faults.py."""
 
 
 class InvalidRequestError(ValueError):

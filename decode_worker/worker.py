@@ -29,14 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig, TransportConfig
-from cluster.delta_channel import DeltaSender
 from cluster.engine.outputs import RequestOutput
 from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError
-from cluster.faults import is_worker_fault
-from cluster.kv.transport import KVTransferError
-from cluster.messages import GenerateRequest, PrefillRequest, PrefillResult, PrefillStarted
-from cluster.routing import RouteHint
-from cluster.worker import EngineWorker
+from cluster.kv.transport.interface import KVTransferError
+from cluster.serving.delta_channel import DeltaSender
+from cluster.serving.faults import is_worker_fault
+from cluster.serving.messages import GenerateRequest, PrefillRequest, PrefillResult, PrefillStarted
+from cluster.serving.routing import RouteHint
+from cluster.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +81,14 @@ class DecodeWorker(EngineWorker):
         # The transport counts its own transfers.
         self._counts = {"recomputed": 0, "prefill_faults": 0, "computed_here": 0, "local_prefills": 0}
 
-    async def generate(self, req: GenerateRequest) -> int:
+    async def decode(self, req: GenerateRequest) -> int:
         """Run the request, its deltas going to the gateway's delta channel at
         `req.reply_to` (with every other delta of the same step for that gateway); returns
         how many it sent. Cancelling the call aborts the request."""
         channel = self.deltas.connection(req.reply_to)
         sent = 0
         try:
-            async for out in self._generate(req):
+            async for out in self._outputs(req):
                 channel.send(out)  # DeltaChannelError: the gateway is gone; the request aborts
                 if sent == 0:
                     self.publish_soon()  # the prompt's blocks are cached now
@@ -97,11 +97,14 @@ class DecodeWorker(EngineWorker):
             self.publish_soon()  # its output's blocks too (or all freed)
         return sent
 
-    async def _generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The request's deltas: computed here (colocated, or a prompt placed here), or
+        prefilled by a prefill worker, its first token streamed at once and its KV received
+        while it streams, then decoded here."""
         if self.colocated or req.local_prefill:
             if req.local_prefill:
                 self._counts["local_prefills"] += 1
-            async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id, generated=req.generated):
+            async for out in self.engine.stream(req.request, req.request_id, generated=req.generated):
                 yield out
             return
         receive = _Receive()  # the thread receiving the KV into the reserved blocks, once started
@@ -158,10 +161,9 @@ class DecodeWorker(EngineWorker):
             stream = self.prefill.options(stream=True).prefill.remote(
                 PrefillRequest(
                     request_id=f"{req.request_id}.p{attempt}" if attempt > 1 else req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    params=req.params,
+                    request=req.request,
                     decode_id=self.worker_id,
-                    decode_addresses=self.rank_addresses,
+                    decode_endpoints=self.rank_endpoints,
                     num_cached_tokens=num_cached,
                     num_blocks=len(block_ids),
                     route=route,
@@ -205,12 +207,12 @@ class DecodeWorker(EngineWorker):
         deadline = loop.time() + RESERVE_TIMEOUT_S
         while True:
             reserved = await self.engine.call(
-                lambda e: e.add_remote_request(req.prompt_token_ids, req.params, req.request_id, req.generated)
+                lambda e: e.add_remote_request(req.request, req.request_id, req.generated)
             )
             if reserved is not None:
                 return reserved
             if loop.time() > deadline:
-                raise KVCacheFullError(f"decode worker {self.worker_id} had no room for {len(req.prompt_token_ids)} tokens")
+                raise KVCacheFullError(f"decode worker {self.worker_id} had no room for {len(req.request.prompt_token_ids)} tokens")
             await asyncio.sleep(0.02)
 
     def _abort_after(self, receiving: asyncio.Future, request_id: str) -> None:
@@ -224,7 +226,7 @@ class DecodeWorker(EngineWorker):
     def _receive(self, result: PrefillStarted, block_ids: list[int]) -> bool:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
         try:
-            self.recv_kv(result.prefill_id, result.prefill_tp, result.session, block_ids, result.transfer_id)
+            self.recv_kv(result.prefill_id, result.prefill_endpoints, block_ids, result.transfer_id)
             return True
         except KVTransferError as e:
             if self.policy == "fail":

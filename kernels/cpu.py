@@ -1,4 +1,4 @@
-"""The C kernels of kernels/csrc/cpu_kernels.c: built on this machine, for this CPU, on first use.
+"""The C kernels of kernels/csrc/: built on this machine, for this CPU, on first use.
 
 Each op's CPU path is `kernel if cpu.usable(...) else reference`; the reference stays the
 numerical spec (tests compare the two) and the path where the kernels cannot run:
@@ -7,12 +7,19 @@ numerical spec (tests compare the two) and the path where the kernels cannot run
   - `PDSERVE_CPU_KERNELS=0` (the switch that forces the reference path anywhere).
 
 Build: `cc -O3 -march=native`, plus the `-mno-*` switches that `configure()` is given
-(cluster/cpu_features.py derives them from PDSERVE_CPU_DISABLE, and the model loader
+(cluster/host/cpu_features.py derives them from PDSERVE_CPU_DISABLE, and the model loader
 passes them), so the AVX2 code of an AVX-512 machine can be built and tested there. The
-library is cached under ~/.cache/pdserve/kernels by a hash of the source, the flags, the
-compiler binary and this CPU's identity (/proc/cpuinfo, what `-march=native` reads): a
-different CPU never loads a library built for another, and a cached library costs no
-compiler run. Plain C without torch's headers: a build takes about a second.
+library is cached under ~/.cache/pdserve/kernels by a hash of the sources (every file of
+csrc/), the flags, the compiler binary and this CPU's identity (/proc/cpuinfo, what
+`-march=native` reads): a different CPU never loads a library built for another, and a
+cached library costs no compiler run. Plain C without torch's headers: a build takes about
+a second.
+
+Sources (csrc/): cpu_kernels.c is the one file compiled, and it includes a file per op, so
+the kernels stay one translation unit (GCC inlines and specializes across ops as within one
+file): linear.c, activation.c, norm.c, rotary.c, kv_store.c, attend.c, attention_run.c,
+paged_attention.c, step.c and capabilities.c, with what they share in cpu_kernels.h and
+attention.h. cpu_kernels.c's comment says what each file holds.
 
 Calls go through ctypes with raw pointers (a few microseconds each); torch's OpenMP
 runtime is already loaded when the library is, so both share one thread pool.
@@ -37,7 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SWITCH_ENV = "PDSERVE_CPU_KERNELS"
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"  # the file compiled: it includes the others
 CACHE_DIR = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -105,11 +112,17 @@ def _this_cpu() -> str:
     return "\n".join(line for line in first.splitlines() if line.split(":", 1)[0].strip() in fields)
 
 
+def _sources() -> list[Path]:
+    """Every file of SOURCE's directory: what a build may read (SOURCE and what it includes)."""
+    return sorted(SOURCE.parent.glob("*.[ch]"))
+
+
 def _library_path(cc: str, flags: list[str]) -> Path:
     binary = Path(shutil.which(cc) or cc).resolve()
     stat = binary.stat()
     compiler = f"{binary} {stat.st_size} {stat.st_mtime_ns}"  # a compiler upgrade rebuilds
-    key = "\n".join([SOURCE.read_text(), " ".join(flags), compiler, _this_cpu()])
+    sources = [f"{path.name}\n{path.read_text()}" for path in _sources()]  # an edit to any of them rebuilds
+    key = "\n".join([*sources, " ".join(flags), compiler, _this_cpu()])
     return CACHE_DIR / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -376,7 +389,7 @@ def rotary_store_attend(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache
 
 
 class StepLayer(ctypes.Structure):
-    """One decoder layer's tensors for `step_layers` (pd_layer in the C file): packed linear
+    """One decoder layer's tensors for `step_layers` (pd_layer in csrc/step.c): packed linear
     weights (PackedWeight.data), norm weights in the model's dtype, the layer's KV cache;
     qkv_bias, q_norm and k_norm may be None."""
 

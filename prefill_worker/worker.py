@@ -10,25 +10,29 @@ token, and pushes the KV blocks a decode worker lacks while the prompt computes.
     decode <--PrefillResult--  (the first token; the sender sends the last part, then
                                 the held blocks are released: sent or failed)
 
+    router --complete(req)--> PrefillWorker  a request that ends with its next token:
+                                             computed and finished here, no decode worker
+
 The decode worker posts its receive at the first message, and transfers are matched by
 transfer id, not by order: the transfer of a long prompt ends shortly after its last chunk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import EngineConfig, TransportConfig
+from cluster.engine.outputs import RequestOutput
 from cluster.errors import EngineDeadError
 from cluster.kv.tp_transfer import Part
-from cluster.kv.transport import KVTransferError
-from cluster.messages import PrefillRequest, PrefillResult, PrefillStarted
-from cluster.worker import EngineWorker
+from cluster.kv.transport.interface import KVTransferError
+from cluster.serving.messages import OneTokenRequest, PrefillRequest, PrefillResult, PrefillStarted
+from cluster.serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,6 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, engine_config: EngineConfig, transport: TransportConfig, redis_url: str | None = None):
         super().__init__(engine_config, transport, redis_url)
-        self.session = uuid.uuid4().hex[:8]  # new per process: a restarted worker gets fresh groups
         self._transfer_ids = itertools.count()
         # Several senders: a decode worker that stopped receiving stalls only its own
         # transfers (each bounded by the timeout), not everyone else's.
@@ -48,18 +51,13 @@ class PrefillWorker(EngineWorker):
 
     async def prefill(self, req: PrefillRequest) -> AsyncIterator[PrefillStarted | PrefillResult]:
         """For a decode worker: PrefillStarted once the first part of the KV is on its way
-        (a prompt of several chunks), then PrefillResult with the first token. For a request
-        that ends with its next token (no decode worker): PrefillResult with its output."""
-        if req.decode_id is None:
-            yield await self._whole_request(req)
-            return
-        transfer = PrefillStarted(req.request_id, self.worker_id, self.session, next(self._transfer_ids), self.shard.size)
+        (a prompt of several chunks), then PrefillResult with the first token."""
+        transfer = PrefillStarted(req.request_id, self.worker_id, self.rank_endpoints, next(self._transfer_ids))
         send = _KVSend(self, req, transfer.transfer_id)
         out, started = None, False
         try:
-            params = req.params.for_first_token(len(req.generated))
-            stream = self.engine.generate(req.prompt_token_ids, params, req.request_id, hold_kv=True, generated=req.generated,
-                                          stream_kv=True)
+            first_token = dataclasses.replace(req.request, params=req.request.params.for_first_token(len(req.generated)))
+            stream = self.engine.stream(first_token, req.request_id, hold_kv=True, generated=req.generated, stream_kv=True)
             async for out in stream:
                 if out.kv_progress is not None:
                     if send.computed(*out.kv_progress) and not started:
@@ -79,23 +77,14 @@ class PrefillWorker(EngineWorker):
             **vars(transfer), first_token_id=out.new_token_ids[0], first_logprob=out.logprobs[0] if out.logprobs else None,
         )
 
-    async def _whole_request(self, req: PrefillRequest) -> PrefillResult:
-        """A request that ends with its next token (max_tokens=1, or one left after a
-        migration): computed and finished here, with its own stop conditions; no decode worker, no KV transfer."""
+    async def complete(self, req: OneTokenRequest) -> RequestOutput:
+        """A request that ends with its next token, computed and finished here (no decode
+        worker, no KV transfer): its one delta."""
         out = None
-        async for out in self.engine.generate(req.prompt_token_ids, req.params, req.request_id, generated=req.generated):  # noqa: B007
+        async for out in self.engine.stream(req.request, req.request_id, generated=req.generated):  # noqa: B007
             pass  # one step: one delta, finished
         self.publish_soon()
-        return PrefillResult(
-            request_id=req.request_id,
-            prefill_id=self.worker_id,
-            session=self.session,
-            transfer_id=-1,
-            prefill_tp=self.shard.size,
-            first_token_id=out.new_token_ids[0],
-            first_logprob=out.logprobs[0] if out.logprobs else None,
-            output=out,
-        )
+        return out
 
     def stop_tier(self) -> None:
         self._sender.shutdown(wait=False, cancel_futures=True)
@@ -176,7 +165,7 @@ class _KVSend:
     def _send(self, part: Part, abandon: bool = False) -> bool:
         req = self.req
         try:
-            self.worker.send_kv(req.decode_id, req.decode_addresses, self.worker.session, part, self.transfer_id, abandon)
+            self.worker.send_kv(req.decode_id, req.decode_endpoints, part, self.transfer_id, abandon)
             return True
         except KVTransferError as e:
             log.warning("KV transfer %d of %s failed: %s", self.transfer_id, req.request_id, e)

@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from cluster.errors import InvalidRequestError
-from cluster.faults import is_worker_fault
+from cluster.serving.faults import is_worker_fault
 
 log = logging.getLogger(__name__)
 

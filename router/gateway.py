@@ -217,7 +217,8 @@ class Gateway:
     # ---- the narrow interface (Serve handles: tests, `pdserve status`) ----------------
 
     async def generate(self, prompt, params=None, request_id: str | None = None):
-        async for out in self.router.generate(prompt, params, request_id):
+        """Stream a prompt's deltas (token ids or text; InvalidRequestError before any work)."""
+        async for out in self.router.stream(self.router.inputs.process(prompt, params or SamplingParams()), request_id):
             yield out
 
     async def worker_stats(self) -> dict:
@@ -266,7 +267,8 @@ class Gateway:
         would end at the prefill worker)."""
         prompt = self.router.inputs.tokenizer.encode("ready")
         try:
-            async for out in self.router.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+            request = self.router.inputs.process(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            async for out in self.router.stream(request):
                 if out.finished and out.finish_reason == "abort":
                     raise Unavailable("the readiness check was aborted")
         except Exception as e:
@@ -304,7 +306,7 @@ class Gateway:
         try:
             api_key = self.auth.check(metadata(grpc_context, "authorization"))
             _check_parsed(request)
-            async for message in self.grpc.generate(request, api_key):
+            async for message in self.grpc.stream(request, api_key):
                 yield message
         except asyncio.CancelledError:
             raise

@@ -5,7 +5,7 @@ where the generated deserializer's DecodeError made grpc answer UNKNOWN ("Unexpe
 <class 'DecodeError'>"): a server error, for a client's mistake.
 
 Serve's proxies and direct-ingress servers take the servicer functions by import path
-(cluster/app.py: GRPC_SERVICER_FUNCTIONS, deploy/serve.yaml); this module imports only grpc
+(cluster/launch/app.py: GRPC_SERVICER_FUNCTIONS, deploy/serve.yaml); this module imports only grpc
 and the generated messages, so that they load it cheaply.
 """
 

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from cluster.engine.input_processor import TokenizedRequest
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
@@ -107,7 +108,7 @@ class GrpcServing:
     def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.Model(id=self.model_name, max_model_len=self.router.inputs.max_model_len)])
 
-    async def generate(self, request: pb.GenerateRequest, api_key: str = "") -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, request: pb.GenerateRequest, api_key: str = "") -> AsyncIterator[pb.GenerateResponse]:
         """Validate the request, admit it, tokenize it (off the event loop) and validate its
         prompt, all before any work; then stream."""
         if request.model and request.model != self.model_name:
@@ -124,9 +125,9 @@ class GrpcServing:
         running = self._running[key] = _Running()
         try:
             async with self.admitted(api_key, 1):
-                prompt_ids = await asyncio.to_thread(self._tokenize, prompt, params)
+                tokenized = await asyncio.to_thread(self._tokenize, prompt, params)
                 # Internal ids are always the gateway's own: clients cannot collide in the workers.
-                stream = self.router.generate(prompt_ids, params, self.router.new_request_id())
+                stream = self.router.stream(tokenized, self.router.new_request_id())
                 async with aclosing(stream):  # closing it aborts it on every tier
                     async for out in stream:
                         if out.finished and out.finish_reason == "abort":
@@ -145,13 +146,13 @@ class GrpcServing:
         if running.aborted:
             raise Aborted(f"request '{client_id}' was aborted")
 
-    def _tokenize(self, prompt, params: SamplingParams) -> list[int]:
+    def _tokenize(self, prompt, params: SamplingParams) -> TokenizedRequest:
         try:
-            ids = self.router.inputs.process(prompt, params)
+            request = self.router.inputs.process(prompt, params)
         except InvalidRequestError as e:
             raise BadRequest(str(e)) from None
-        self.limits.check_input_tokens(len(ids))
-        return ids
+        self.limits.check_input_tokens(len(request.prompt_token_ids))
+        return request
 
     def abort(self, request: pb.AbortRequest, api_key: str = "") -> pb.AbortResponse:
         """Abort the caller's own request of that id; any other is NOT_FOUND, whoever runs it."""

@@ -21,10 +21,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
+from cluster.engine.input_processor import TokenizedRequest
 from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
-from cluster.tokenizer import ChatTemplateError
+from cluster.text.tokenizer import ChatTemplateError
 from router import protocol as p
 from router.admission import RequestLimits
 from router.errors import BadRequest, NotFound, Unavailable, from_exception
@@ -33,11 +34,10 @@ from router.router import Router
 
 @dataclass
 class _Job:
-    """One generation: a prompt's token ids and one choice's parameters."""
+    """One generation: a prompt's tokens with one choice's parameters."""
 
     index: int  # the choice index clients see: prompt_index * n + choice
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: TokenizedRequest
 
 
 @dataclass
@@ -92,7 +92,7 @@ class OpenAIServing:
         prompts = _prompt_list(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
         self.limits.check_size(len(prompts), req.n)
-        batch = _Batch(len(prompts) * req.n, api_key, lambda: self._jobs([self._tokenize(x, params) for x in prompts], params, req.n))
+        batch = _Batch(len(prompts) * req.n, api_key, lambda: self._jobs([self._tokenize(x, params) for x in prompts], req.n))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -145,8 +145,7 @@ class OpenAIServing:
             except (ChatTemplateError, ValueError) as e:
                 raise BadRequest(f"messages could not be rendered with the model's chat template: {e}", param="messages") from None
             max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
-            params = self._params(req, max_tokens, logprobs)
-            return self._jobs([self._tokenize(prompt_ids, params)], params, req.n)
+            return self._jobs([self._tokenize(prompt_ids, self._params(req, max_tokens, logprobs))], req.n)
 
         batch = _Batch(req.n, api_key, jobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -210,20 +209,22 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise BadRequest(str(e), param=e.param) from None
 
-    def _tokenize(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+    def _tokenize(self, prompt: str | Sequence[int], params: SamplingParams) -> TokenizedRequest:
         try:
             return self.router.inputs.process(prompt, params)
         except InvalidRequestError as e:
             raise BadRequest(str(e), param="prompt") from None
 
-    def _jobs(self, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[_Job]:
+    def _jobs(self, requests: list[TokenizedRequest], n: int) -> list[_Job]:
         """n choices per prompt; seeded choices get distinct seeds (seed + choice)."""
-        self.limits.check_input_tokens(sum(len(ids) for ids in prompt_ids))
+        self.limits.check_input_tokens(sum(len(r.prompt_token_ids) for r in requests))
         jobs = []
-        for i, ids in enumerate(prompt_ids):
+        for i, request in enumerate(requests):
+            seed = request.params.seed
             for j in range(n):
-                choice_params = params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
-                jobs.append(_Job(i * n + j, ids, choice_params))
+                choice = request if seed is None or j == 0 else dataclasses.replace(
+                    request, params=dataclasses.replace(request.params, seed=seed + j))
+                jobs.append(_Job(i * n + j, choice))
         return jobs
 
     async def _merged(self, batch: _Batch) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -270,7 +271,7 @@ class OpenAIServing:
 
     async def _generate(self, job: _Job) -> AsyncIterator[RequestOutput]:
         finished = False
-        async for out in self.router.generate(job.prompt_ids, job.params, self.router.new_request_id()):
+        async for out in self.router.stream(job.request, self.router.new_request_id()):
             if out.finished and out.finish_reason == "abort":
                 raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
             finished = finished or out.finished

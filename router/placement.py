@@ -21,7 +21,7 @@
     round_robin   each tier in turn
     power_of_two  Ray Serve's default: the shorter queue of two random replicas
 
-Candidates are the replicas Serve routes to now (cluster/routing.py: live_replicas), not
+Candidates are the replicas Serve routes to now (cluster/serving/routing.py: live_replicas), not
 only those the index lists: a replica that has just started counts at once, with an
 empty cache and no load, and one that Serve is removing takes no new work (and its index
 entries are dropped as soon as this gateway sees it go).
@@ -61,7 +61,7 @@ from cluster.config import EngineConfig, RoutingConfig
 from cluster.engine.kv_cache_manager import num_reusable_blocks
 from cluster.kv.hashing import BlockHash, hash_prefix_blocks
 from cluster.kv.prefix_index import PrefixIndex, WorkerView
-from cluster.routing import TIER_DEPLOYMENTS, RouteHint, live_replicas, worker_id
+from cluster.serving.routing import TIER_DEPLOYMENTS, RouteHint, live_replicas, worker_id
 from router.replica_router import rendezvous_order
 
 PREFIX_HASH_BLOCKS = 4

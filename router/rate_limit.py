@@ -16,7 +16,7 @@ import hashlib
 import logging
 import math
 
-from cluster import redis_client
+from cluster.kv import redis_client
 from router.errors import RateLimited
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Serve's request router for the worker deployments: it places each request where the
-gateway's RouteHint says (cluster/routing.py), among the replicas Serve reports running,
-and publishes that set of replicas (cluster/routing.py: live_replicas) so that placement
+gateway's RouteHint says (cluster/serving/routing.py), among the replicas Serve reports running,
+and publishes that set of replicas (cluster/serving/routing.py: live_replicas) so that placement
 counts a new replica as soon as Serve routes to it and stops choosing one being removed.
 
     hint.replica       that replica first (the KV-aware choice); the others if it is full or gone
@@ -19,7 +19,7 @@ import itertools
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-from cluster.routing import RouteHint, set_live_replicas
+from cluster.serving.routing import RouteHint, set_live_replicas
 
 IMPORT_PATH = "router.replica_router:HintedRequestRouter"
 

@@ -1,12 +1,12 @@
 """Router: the one narrow interface the gateways use.
 
-    generate(prompt, params) -> AsyncIterator[RequestOutput]
+    stream(request) -> AsyncIterator[RequestOutput]
 
-It validates and tokenizes at the edge (bad input raises InvalidRequestError before any
-worker is involved), places the request on a (prefill, decode) pair by the routing
+It takes a request made at the edge (`inputs.process`: validated and tokenized, bad input
+raised InvalidRequestError before any worker was involved), places it on a (prefill, decode) pair by the routing
 policy (router/placement.py), calls the decode worker (which calls the chosen prefill
 worker; a one-token request goes to the prefill worker alone) and streams the deltas
-that worker sends to this gateway's delta channel (cluster/delta_channel.py: one
+that worker sends to this gateway's delta channel (cluster/serving/delta_channel.py: one
 message per engine step for all of this gateway's requests there, while the Ray call
 carries cancellation, faults and the end), and observes each stream's latency. A stream
 its consumer abandons cancels its call, which aborts the request on every tier. A worker that fails a request mid-stream (dies, errs,
@@ -27,14 +27,13 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig, RoutingConfig
-from cluster.delta_channel import DeltaReceiver
-from cluster.engine.input_processor import InputProcessor, Prompt
+from cluster.engine.input_processor import InputProcessor, TokenizedRequest
 from cluster.engine.outputs import RequestOutput
-from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import EngineDeadError, StalledError
-from cluster.faults import can_migrate, is_worker_fault
-from cluster.messages import GenerateRequest, PrefillRequest
-from cluster.routing import TIER_DEPLOYMENTS, RouteHint, replica_of
+from cluster.serving.delta_channel import DeltaReceiver
+from cluster.serving.faults import can_migrate, is_worker_fault
+from cluster.serving.messages import GenerateRequest, OneTokenRequest
+from cluster.serving.routing import TIER_DEPLOYMENTS, RouteHint, replica_of
 from router.metrics import GatewayMetrics
 from router.placement import Placer
 
@@ -70,14 +69,10 @@ class Router:
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: TokenizedRequest, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas. A worker fault mid-stream (see _attempt) re-issues
         it to other workers with the tokens streamed so far, up to migration_limit times:
         the stream goes on with the next token, never a repeated or a missing one."""
-        params = params or SamplingParams()
-        ids = self.inputs.process(prompt, params)
         request_id = request_id or self.new_request_id()
         timer = self.metrics.track()
         generated: list[int] = []  # output the consumer has received
@@ -86,7 +81,7 @@ class Router:
         try:
             for attempt in itertools.count():
                 try:
-                    async for out in self._attempt(ids, params, _attempt_id(request_id, attempt), generated, avoid):
+                    async for out in self._attempt(request, _attempt_id(request_id, attempt), generated, avoid):
                         if out.new_token_ids:
                             timer.output()
                         if out.finished:
@@ -108,28 +103,27 @@ class Router:
             timer.finish(status, finish_reason)
 
     async def _attempt(
-        self, ids: list[int], params: SamplingParams, request_id: str, generated: list[int], avoid: set[str]
+        self, request: TokenizedRequest, request_id: str, generated: list[int], avoid: set[str]
     ) -> AsyncIterator[RequestOutput]:
         """One placement of the request, resuming after `generated`. Raises a worker fault
         (cluster/errors.py) when a worker fails it, or StalledError when no token comes for
         stall_timeout_s once it streams; the workers it used are added to `avoid`."""
-        placement = await self.placer.place(ids, avoid=frozenset(avoid))
-        one_token = self.prefill is not None and params.max_tokens - len(generated) == 1
+        placement = await self.placer.place(request.prompt_token_ids, avoid=frozenset(avoid))
+        one_token = self.prefill is not None and request.params.max_tokens - len(generated) == 1
         if one_token:
             placement.decode_worker = None  # it ends with its next token: no decode worker is involved
         self.placer.started(placement)
         resume = tuple(generated)
         if one_token:
-            prefill = PrefillRequest(request_id, ids, params, None, None, 0, 0, route=placement.prefill, generated=resume)
-            call = self.prefill.options(stream=True).prefill.remote(prefill)
-            outputs = _last_output(call)
+            call = self.prefill.complete.remote(OneTokenRequest(request_id, request, route=placement.prefill, generated=resume))
+            outputs = _output_of(call)
         else:
-            request = GenerateRequest(
-                request_id, ids, params, await self.deltas.start(), route=placement.decode, prefill_route=placement.prefill,
+            message = GenerateRequest(
+                request_id, request, await self.deltas.start(), route=placement.decode, prefill_route=placement.prefill,
                 generated=resume, local_prefill=placement.local_prefill,
             )
             deltas = self.deltas.subscribe(request_id)  # before the call: no delta can come first
-            call = self.decode.generate.remote(request)
+            call = self.decode.decode.remote(message)
             outputs = self._delivered(request_id, call, deltas)
         finished = streaming = False
         try:
@@ -273,7 +267,6 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-async def _last_output(stream) -> AsyncIterator[RequestOutput]:
-    """The finished output a prefill worker streams back for a one-token request."""
-    async for result in stream:
-        yield result.output
+async def _output_of(call) -> AsyncIterator[RequestOutput]:
+    """The one delta a prefill worker answers a one-token request with."""
+    yield await call

@@ -39,7 +39,7 @@ import httpx
 import psutil
 
 from cluster.bench.openai_client import send
-from cluster.bench.provenance import provenance
+from cluster.bench.provenance import write_result
 
 VICTIM_PROMPT = "Summarize the plot of a short story about a fox in two sentences."
 GRPC_BAD_CODES = ("INTERNAL", "UNKNOWN", "DATA_LOSS")
@@ -77,7 +77,7 @@ def run_abuse_bench(args) -> int:
         out = Path(args.result_dir)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"abuse-{args.mode}"
-        stem.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+        write_result(stem.with_suffix(".json"), summary)
         _plot(summary, stem.with_suffix(".png"))
     return 0
 
@@ -287,7 +287,6 @@ def _summary(args, model: str, rounds: list[dict], abuse: dict, before: dict, af
                         if re.fullmatch(r"http_5\d\d", k) or k.removeprefix("grpc_") in GRPC_BAD_CODES)
     requests = sum(n for k, n in counts.items() if k.startswith(("http_", "grpc_")))
     return {
-        **provenance(),
         "mode": args.mode,
         "model": model,
         "phase_s": args.phase_s,

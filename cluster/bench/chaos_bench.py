@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-import json
 import os
 import random
 import re
@@ -30,6 +29,7 @@ from pathlib import Path
 from ray import serve
 
 from cluster.bench.plots import plot_chaos
+from cluster.bench.provenance import write_result
 from cluster.bench.serve_bench import measure
 from cluster.bench.sweep_compare import local_cluster, local_ray, local_target
 from cluster.config import APP_NAME, CacheConfig, EngineConfig, RoutingConfig
@@ -217,7 +217,7 @@ def run_chaos(args) -> int:
     print_chaos(chaos, ok)
     out = Path(args.result_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(json.dumps(chaos, indent=2, default=str))
+    write_result(out / "chaos.json", chaos)
     print(f"wrote {out / 'chaos.json'} and {plot_chaos(chaos, out / 'chaos.png')}")
     return 0 if ok else 1
 

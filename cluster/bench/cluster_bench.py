@@ -21,10 +21,11 @@ import torch
 from ray import serve
 from tqdm import tqdm
 
-from cluster import local_ray
-from cluster.app import build_app
+from cluster.bench.provenance import write_result
 from cluster.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host import local_ray
+from cluster.launch.app import build_app
 
 
 async def _one(router, prompt, params) -> dict:
@@ -114,5 +115,5 @@ def run_cluster_bench(args) -> int:
         print(f"KV transfer (last 1P1D round): {per / 1e6:.2f} MB and {secs * 1e3:.1f} ms per request (mean, receive side)")
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster-bench.json").write_text(json.dumps({"summary": summary, "rounds": rounds, "transport": transfers}, indent=2))
+    write_result(out / "cluster-bench.json", {"summary": summary, "rounds": rounds, "transport": transfers})
     return 0

@@ -20,7 +20,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 DATASETS = ("random", "prefix_repetition", "sharegpt", "multi_turn")
 MULTI_TURN_TURNS = 4

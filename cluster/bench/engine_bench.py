@@ -14,7 +14,6 @@ median of the rounds' ratios. Results: a table on stdout, JSON and a PNG bar cha
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,11 +22,12 @@ import torch
 from tqdm import tqdm
 
 from cluster.bench.plots import plot_engine_bench
+from cluster.bench.provenance import write_result
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
-from cluster.cpu_features import cpu_summary
 from cluster.engine.engine import Engine
 from cluster.engine.runner import kv_bytes_per_block
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host.cpu_features import cpu_summary
 from cluster.model.linear import Linear
 from kernels import cpu as cpu_kernels
 
@@ -217,7 +217,6 @@ def run_engine_bench(args) -> int:
     matmul_flops = measure_matmul_flops(min(step_rows, max(batch_sizes) * args.input_len), engine.loaded.arch, engine.loaded.dtype)
     results = {
         "model": args.model,
-        "cpu": cpu_summary(),
         "dtype": args.dtype,
         "kv_cache_dtype": engine.config.cache.dtype,
         "threads": torch.get_num_threads(),
@@ -264,7 +263,7 @@ def run_engine_bench(args) -> int:
         results["runs"].append(run)
     engine.close()  # tensor parallel: the other ranks' processes
 
-    print(f"\nCPU: {results['cpu']}; CPU ops: {results['cpu_ops']}")
+    print(f"\nCPU: {cpu_summary()}; CPU ops: {results['cpu_ops']}")
     print(f"weights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
     print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")
     for run in results["runs"]:
@@ -292,7 +291,7 @@ def run_engine_bench(args) -> int:
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"engine-{Path(args.model).name}-{args.dtype}" + (f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "")
-    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    write_result(out_dir / f"{stem}.json", results)
     plot_engine_bench(results, out_dir / f"{stem}.png")
     print(f"wrote {out_dir / stem}.json and .png")
     return 0

@@ -4,13 +4,20 @@ different machines and commits must never be mistaken for one another."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
-from cluster.cpu_features import cpu_summary
+from cluster.host.cpu_features import cpu_summary
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def write_result(path: Path, result: dict) -> Path:
+    """`result` as JSON at `path`, with its provenance (CPU, commit, command line) first."""
+    path.write_text(json.dumps({**provenance(), **result}, indent=2, default=str))
+    return path
 
 
 def provenance() -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import re
 import time
 from datetime import datetime
@@ -28,9 +27,10 @@ from tqdm import tqdm
 from cluster.bench import datasets
 from cluster.bench.openai_client import RequestResult, send
 from cluster.bench.plots import plot_serve_result
-from cluster.gguf_tokenizer import load_tokenizer
+from cluster.bench.provenance import write_result
 from cluster.model.builtin import BUILTIN_MODEL_NAME, builtin_model_path
-from cluster.tokenizer import Tokenizer
+from cluster.model.gguf_tokenizer import load_tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -402,7 +402,7 @@ def run_serve_bench(args) -> int:
     if args.save_result:
         path = result_path(args, result)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
+        write_result(path, result)
         print(f"wrote {path}")
         for plot in plot_serve_result(result, path.with_suffix("")):
             print(f"wrote {plot}")

@@ -13,7 +13,7 @@ compare  runs the same workload against two targets, alternately for --rounds ro
          and either with @T: T torch threads per replica instead of --torch-threads, so
          that configurations with the same total threads compare (colocated@2 vs 1p1d@1),
          and with /CORES: --engine-cores CORES (auto, own, shared; default auto: whether
-         decode engines get cores of their own, cluster/engine_cores.py), e.g. 1p1d@1 vs
+         decode engines get cores of their own, cluster/host/engine_cores.py), e.g. 1p1d@1 vs
          1p1d@1/shared. Or offline[@T]: one engine in this process, no server
          (cluster/bench/offline_target.py), e.g. colocated@2 vs offline@2 for served TPOT over
          the offline step.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import re
 import statistics
@@ -34,15 +33,16 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from cluster.app import build_app
 from cluster.bench.flags import local_engine_config
 from cluster.bench.offline_target import offline_target, run_offline
 from cluster.bench.plots import plot_attainment, plot_compare
+from cluster.bench.provenance import write_result
 from cluster.bench.serve_bench import run_once
 from cluster.config import APP_NAME, ClusterConfig, RoutingConfig, TierConfig
-from cluster.ports import free_port
-from cluster.redis_server import PrivateRedis
-from cluster.serve_main import on_this_machine, start_local_ray
+from cluster.launch.app import build_app
+from cluster.launch.ports import free_port
+from cluster.launch.redis_server import PrivateRedis
+from cluster.launch.serve import on_this_machine, start_local_ray
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -73,7 +73,7 @@ def run_sweep(args) -> int:
     summary = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "attainment_target": args.attainment,
                "max_rate_meeting_slo": best, "points": points, "dataset_name": args.dataset_name}
     path = summary_path(args, "sweep.json")
-    path.write_text(json.dumps(summary, indent=2))
+    write_result(path, summary)
     plot = plot_attainment(rates, [p["attainment"] for p in points], args.attainment, path.with_name(f"{path.stem}-attainment.png"),
                            f"SLO attainment: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
     print(f"wrote {path} and {plot}")
@@ -96,7 +96,7 @@ LOCAL = re.compile(r"^(?:(\d*)colocated|(\d+)p(\d+)d)(?::(\w+))?(?:@(\d+))?(?:/(
 @dataclass(frozen=True)
 class LocalTarget:
     """A local configuration: replicas per tier (prefill 0: colocated), routing, threads,
-    and whether the decode engines get cores of their own where they can (cluster/engine_cores.py)."""
+    and whether the decode engines get cores of their own where they can (cluster/host/engine_cores.py)."""
 
     prefill: int
     decode: int
@@ -212,7 +212,7 @@ def run_compare(args) -> int:
                "runs": {label: [{k: r[k] for k in (*COMPARED, "completed", "failed", "server_metrics")} for r in rs]
                         for label, rs in runs.items()}}
     path = summary_path(args, "compare.json")
-    path.write_text(json.dumps(summary, indent=2))
+    write_result(path, summary)
     plot = plot_compare((args.target_a, args.target_b), medians, path.with_suffix(".png"))
     print(f"wrote {path} and {plot}")
     return 0

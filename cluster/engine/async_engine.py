@@ -2,7 +2,7 @@
 
 One background thread builds the Engine, owns it and steps it; nothing else touches it.
 It builds it too: the thread that steps must be the process's only OpenMP master, and
-loading the model runs parallel ops (cluster/openmp.py).
+loading the model runs parallel ops (cluster/host/openmp.py).
 Callers hand work in through a thread-safe inbox (add, abort) and get deltas on a
 per-request asyncio queue. A caller that stops iterating (cancelled, disconnected)
 aborts its request, which frees its blocks on the engine thread.
@@ -25,9 +25,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from cluster.engine.engine import Engine, Prompt
+from cluster.engine.engine import Engine
+from cluster.engine.input_processor import TokenizedRequest
 from cluster.engine.outputs import RequestOutput
-from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import EngineDeadError
 
 T = TypeVar("T")
@@ -37,8 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: TokenizedRequest
     hold_kv: bool
     generated: tuple[int, ...]
     stream_kv: bool
@@ -87,24 +86,33 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, args=(build, built), name="pdserve-engine", daemon=True)
         self._thread.start()
         self.engine = built.result()
+        self.kv_layout = self.engine.kv_layout()  # fixed once built: read from any thread
 
-    async def generate(
+    def rank_info(self) -> list[dict]:
+        """The replica's ranks (fixed at start: no engine-thread call)."""
+        return self.engine.rank_info()
+
+    def check_health(self) -> None:
+        """EngineDeadError or RankLostError if the engine cannot serve (not on the engine
+        thread: it only asks Ray about the rank actors)."""
+        if self.dead is not None:
+            raise self.dead
+        self.engine.check_health()
+
+    async def stream(
         self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
+        request: TokenizedRequest,
         request_id: str | None = None,
         hold_kv: bool = False,
         generated: Sequence[int] = (),
         stream_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas until the request finishes (and, with stream_kv, its KV progress:
-        Engine.add_request). Bad input raises before any work."""
+        """Run a request made at the edge (InputProcessor.process) and stream its deltas
+        until it finishes (and, with stream_kv, its KV progress: Engine.add)."""
         self._check_alive()
-        params = params or SamplingParams()
-        ids = self.engine.inputs.process(prompt, params)  # in the caller: bad input costs no engine time
         request_id = request_id or f"async-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._post(_Add(request_id, ids, params, hold_kv, tuple(generated), stream_kv, sink))
+        self._post(_Add(request_id, request, hold_kv, tuple(generated), stream_kv, sink))
         async for item in self._drain(request_id, sink):
             yield item
 
@@ -251,9 +259,7 @@ class AsyncEngine:
                 msg.sink.put(EngineDeadError(f"engine is dead: {self.dead}"))
             else:
                 try:
-                    self.engine.add_request(
-                        msg.prompt_token_ids, msg.params, msg.request_id, msg.hold_kv, msg.generated, msg.stream_kv
-                    )
+                    self.engine.add(msg.request, msg.request_id, msg.hold_kv, msg.generated, msg.stream_kv)
                     self._sinks[msg.request_id] = msg.sink
                 except Exception as e:
                     msg.sink.put(e)

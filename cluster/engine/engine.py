@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
-from cluster.engine.input_processor import InputProcessor, Prompt
+from cluster.engine.input_processor import InputProcessor, Prompt, TokenizedRequest
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.request import Request, RequestStatus
@@ -31,19 +31,32 @@ from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
 from cluster.engine.step_times import StepTimes
 from cluster.engine.tp_ranks import TensorParallelRanks, resolved
-from cluster.engine_cores import place_engine_thread
 from cluster.errors import InvalidRequestError
-from cluster.host_memory import keep_freed_memory
+from cluster.host.engine_cores import place_engine_thread
+from cluster.host.memory import keep_freed_memory
+from cluster.host.openmp import wait_settings
 from cluster.kv.block_pool import BlockPool
+from cluster.kv.transport.packing import KVCaches
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch, resolve_max_model_len
 from cluster.model.loader import load_model, resolve_dtype
-from cluster.model.sharding import shard_of
+from cluster.model.sharding import Shard, shard_of
 from cluster.model.tp_group import SINGLE
-from cluster.openmp import wait_settings
-from cluster.tokenizer import IncrementalDetokenizer, StopChecker
+from cluster.text.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A replica's KV cache as the KV transport sees it: rank 0's caches and shard (its
+    KV heads), the model's KV head count, and the actors of ranks 1..N-1, which move
+    their own heads."""
+
+    caches: KVCaches
+    shard: Shard
+    num_kv_heads: int
+    rank_actors: tuple  # ray ActorHandles of RankWorker
 
 
 @dataclass
@@ -142,16 +155,21 @@ class Engine:
         return cls(EngineConfig(model=model, cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(), **kwargs))
 
     # ---- requests ------------------------------------------------------------------
-    def add_request(
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, **options) -> str:
+        """Validate and queue a prompt (the offline API); raises InvalidRequestError before
+        any work. `options`: as `add`'s."""
+        return self.add(self.inputs.process(prompt, params or SamplingParams()), request_id, **options)
+
+    def add(
         self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
+        request: TokenizedRequest,
         request_id: str | None = None,
         hold_kv: bool = False,
         generated: Sequence[int] = (),
         stream_kv: bool = False,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError before any work.
+        """Queue a request made at the edge (validated there: only its cheap invariants are
+        checked again); returns its id.
 
         hold_kv: when it finishes, keep its blocks (for sending to a decode worker)
         until `release(request_id)`.
@@ -160,16 +178,14 @@ class Engine:
         stream_kv: report its prompt's KV as each chunk computes (RequestOutput.kv_progress),
         so that a prefill worker sends it while the rest computes.
         """
-        request = self._new_request(prompt, params, request_id, hold_kv, generated)
-        self._outputs[request.request_id].stream_kv = stream_kv
-        self.scheduler.add_request(request)
-        return request.request_id
+        queued = self._new_request(request, request_id, hold_kv, generated)
+        self._outputs[queued.request_id].stream_kv = stream_kv
+        self.scheduler.add_request(queued)
+        return queued.request_id
 
-    def _new_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, hold_kv: bool, generated: Sequence[int] = ()
-    ) -> Request:
-        params = params or SamplingParams()
-        ids = self.inputs.process(prompt, params)
+    def _new_request(self, request: TokenizedRequest, request_id: str | None, hold_kv: bool, generated: Sequence[int] = ()) -> Request:
+        ids, params = request.prompt_token_ids, request.params
+        self.inputs.validate_length(len(ids), params)  # O(1): the ids were checked where the request was made
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._outputs or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -209,21 +225,21 @@ class Engine:
         return self.scheduler.release_held(request_id)
 
     def add_remote_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, generated: Sequence[int] = ()
+        self, request: TokenizedRequest, request_id: str | None = None, generated: Sequence[int] = ()
     ) -> tuple[str, list[int], int] | None:
-        """Reserve blocks for a prompt (and `generated` tokens, see add_request) whose KV
+        """Reserve blocks for a request's prompt (and `generated` tokens, see `add`) whose KV
         arrives from a prefill worker.
 
         Returns (request id, block ids to receive the uncached part into, tokens already
         in this engine's prefix cache), or None if the blocks do not fit now.
         """
-        request = self._new_request(prompt, params, request_id, hold_kv=False, generated=generated)
-        reserved = self.scheduler.add_remote_request(request)
+        queued = self._new_request(request, request_id, hold_kv=False, generated=generated)
+        reserved = self.scheduler.add_remote_request(queued)
         if reserved is None:
-            del self._outputs[request.request_id]
+            del self._outputs[queued.request_id]
             return None
         block_ids, num_cached = reserved
-        return request.request_id, block_ids, num_cached
+        return queued.request_id, block_ids, num_cached
 
     def accept_first_token(self, request_id: str, token_id: int, logprob: TokenLogprob | None = None) -> RequestOutput | None:
         """The token the prefill worker sampled, for a request reserved with
@@ -371,6 +387,15 @@ class Engine:
         """Idle: check the tensor-parallel ranks (RankLostError if one is gone)."""
         if self.ranks is not None:
             self.runner.heartbeat()
+
+    def kv_layout(self) -> KVLayout:
+        """Where this replica's KV cache lives, for moving it: fixed once built."""
+        return KVLayout(
+            caches=self.runner.kv_caches,
+            shard=self.loaded.model.shard,
+            num_kv_heads=self.loaded.arch.num_kv_heads,
+            rank_actors=tuple(self.ranks.actors) if self.ranks is not None else (),
+        )
 
     def check_health(self) -> None:
         """RankLostError if a tensor-parallel rank of this replica is gone."""

@@ -1,18 +1,32 @@
-"""Prompt -> validated token ids. The gateway and the engine share this one piece, so
-a request the engine would refuse is refused at the edge, before any work."""
+"""Prompt -> a TokenizedRequest: validated token ids and sampling parameters.
+
+Made once, at the edge (the gateway; the offline engine's own API for its callers): the
+tiers carry it and the engine takes it, checking only what costs nothing (its length
+against the context). A request the engine would refuse is refused at the edge, before
+any work."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch, resolve_max_model_len
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class TokenizedRequest:
+    """A request's prompt token ids and sampling parameters, validated: every id in the
+    vocabulary, prompt + max_tokens within the context. Made by InputProcessor.process."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 class InputProcessor:
@@ -48,9 +62,9 @@ class InputProcessor:
                 "shorten the prompt or lower max_tokens"
             )
 
-    def process(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+    def process(self, prompt: Prompt, params: SamplingParams) -> TokenizedRequest:
         if not isinstance(prompt, str):  # a list too long for the model is refused before its ids are checked
             self.validate_length(len(prompt), params)
         ids = self.tokenize(prompt)
         self.validate_length(len(ids), params)
-        return ids
+        return TokenizedRequest(ids, params)

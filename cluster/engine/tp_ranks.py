@@ -30,17 +30,18 @@ import torch
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster import local_ray
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.runner import ModelRunner, kv_cache_dtype
-from cluster.engine_cores import place_engine_thread
 from cluster.errors import RankLostError
-from cluster.host_memory import keep_freed_memory
+from cluster.host import local_ray
+from cluster.host.engine_cores import place_engine_thread
+from cluster.host.memory import keep_freed_memory
+from cluster.host.openmp import wait_settings
 from cluster.kv.tp_transfer import rank_peer_id, recv_pieces, send_pieces
-from cluster.kv.transport import FaultInjection, KVTransport
+from cluster.kv.transport.builder import open_transport
+from cluster.kv.transport.interface import KVEndpoint
 from cluster.model.loader import load_model
 from cluster.model.tp_group import TensorParallelGroup
-from cluster.openmp import wait_settings
 
 # A rank runs its step loop and, in other threads, its KV transfers and stats calls.
 RANK_ACTOR_CONCURRENCY = 16
@@ -50,7 +51,7 @@ RANK_ACTOR_CONCURRENCY = 16
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int, address: tuple[str, int]):
         # One thread loads the model and runs the steps: the process's only OpenMP master
-        # (cluster/openmp.py); the actor's other threads serve transfers and stats.
+        # (cluster/host/openmp.py); the actor's other threads serve transfers and stats.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-rank")
         self.rank = rank
         self.config = config
@@ -75,27 +76,21 @@ class RankWorker:
 
     # ---- KV transfers: this rank's pieces of a hand-off (cluster/kv/tp_transfer.py) ----
 
-    def open_transport(self, role: str, worker_id: str, transport: TransportConfig) -> tuple[str, int] | None:
-        """This rank's KV transport; returns its rendezvous address (decode side)."""
-        self.transport = KVTransport(
-            role,
-            rank_peer_id(worker_id, self.rank),
-            self.config.device,
-            timeout_s=transport.timeout_s,
-            host=ray.util.get_node_ip_address(),
-            shared_memory=transport.shared_memory,
-            fault_injection=FaultInjection.of(transport),
-        )
-        return self.transport.address
+    def open_transport(self, role: str, worker_id: str, transport: TransportConfig) -> KVEndpoint:
+        """This rank's KV transport; returns its endpoint, which the peers' ranks pass."""
+        self.transport = open_transport(role, rank_peer_id(worker_id, self.rank), self.config.device, transport,
+                                        host=ray.util.get_node_ip_address())
+        return self.transport.endpoint
 
-    def send_pieces(self, pieces, decode_id, decode_addresses, session, part, transfer_id, abandon=False) -> None:
+    def send_pieces(self, pieces, decode_id, decode_endpoints, part, transfer_id, abandon=False) -> None:
         send_pieces(
-            self.transport, self.runner.kv_caches, self.shard.kv_head_start, pieces, decode_id, decode_addresses, session,
-            part, transfer_id, abandon,
+            self.transport, self.runner.kv_caches, self.shard.kv_head_start, pieces, decode_id, decode_endpoints, part,
+            transfer_id, abandon,
         )
 
-    def recv_pieces(self, pieces, prefill_id, session, block_ids, transfer_id) -> None:
-        recv_pieces(self.transport, self.runner.kv_caches, self.shard.kv_head_start, pieces, prefill_id, session, block_ids, transfer_id)
+    def recv_pieces(self, pieces, prefill_id, prefill_endpoints, block_ids, transfer_id) -> None:
+        recv_pieces(self.transport, self.runner.kv_caches, self.shard.kv_head_start, pieces, prefill_id, prefill_endpoints,
+                    block_ids, transfer_id)
 
     def transport_stats(self) -> dict:
         return self.transport.stats() if self.transport is not None else {}

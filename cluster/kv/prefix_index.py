@@ -38,9 +38,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from cluster import redis_client
+from cluster.kv import redis_client
 from cluster.kv.hashing import BlockHash
-from cluster.routing import worker_id
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +209,7 @@ class IndexPublisher:
         self.counts = {"snapshots": 0, "batches": 0, "gaps": 0, "errors": 0, "fenced": 0}
 
     @classmethod
-    def for_engine(cls, engine, redis_url: str, tier: str, replica: str, config) -> IndexPublisher:
+    def for_engine(cls, engine, redis_url: str, worker_id: str, tier: str, replica: str, config) -> IndexPublisher:
         """A publisher for an AsyncEngine's prefix cache (EngineConfig `config`); every
         read runs on the engine's thread, between steps."""
 
@@ -219,7 +218,7 @@ class IndexPublisher:
             return e.pool.cached_hashes()
 
         return cls(
-            redis_url, worker_id(tier, replica), tier, replica, config.model_id, config.cache.block_size,
+            redis_url, worker_id, tier, replica, config.model_id, config.cache.block_size,
             take_events=lambda: engine.call(lambda e: e.pool.take_events()),
             snapshot=lambda: engine.call(snapshot),
             load=lambda: engine.call(lambda e: e.load()),

@@ -3,7 +3,7 @@ of d ranks, for any p and d the model's KV heads allow (cluster/model/sharding.p
 
     kv_routes(Hk, p, d) -> pieces (src rank, dst rank, KV heads [start, stop))
 
-Each piece is one ordinary transfer (cluster/kv/transport.py) between the two ranks'
+Each piece is one ordinary transfer (cluster/kv/transport/) between the two ranks'
 own transports, of a head slice of the same blocks (in one part or several, as the
 prompt computes: every rank sends each part of its pieces in turn): the source packs the piece's heads
 out of its cache shard, the destination writes them into its shard. Every rank moves
@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cluster.kv.transport import KVCaches, KVTransport
+from cluster.kv.transport.interface import KVEndpoint, KVTransport
+from cluster.kv.transport.packing import KVCaches
 from cluster.model.sharding import HeadRoute
-from cluster.ports import StoreAddress
 
 
 def rank_peer_id(worker_id: str, rank: int) -> str:
@@ -58,8 +58,7 @@ def send_pieces(
     kv_head_start: int,
     pieces: Sequence[HeadRoute],
     decode_id: str,
-    decode_addresses: Sequence[StoreAddress],
-    session: str,
+    decode_endpoints: Sequence[KVEndpoint],
     part: Part,
     transfer_id: int,
     abandon: bool = False,
@@ -68,13 +67,12 @@ def send_pieces(
     that the transfer ends before it); KVTransferError if any failed."""
 
     def send(route: HeadRoute) -> None:
-        peer = rank_peer_id(decode_id, route.dst)
-        transport.ensure_group(peer, decode_addresses[route.dst], session)
+        peer, endpoint = rank_peer_id(decode_id, route.dst), decode_endpoints[route.dst]
         caches = head_view(kv_caches, kv_head_start, route)
         if abandon:
-            transport.abandon(peer, caches, transfer_id, part.first, part.total)
+            transport.abandon(peer, endpoint, caches, transfer_id, part.first, part.total)
         else:
-            transport.send_blocks(peer, caches, part.block_ids, transfer_id, part.first, part.total)
+            transport.send(peer, endpoint, caches, part.block_ids, transfer_id, part.first, part.total)
 
     _each(send, pieces)
 
@@ -85,7 +83,7 @@ def recv_pieces(
     kv_head_start: int,
     pieces: Sequence[HeadRoute],
     prefill_id: str,
-    session: str,
+    prefill_endpoints: Sequence[KVEndpoint],
     block_ids: Sequence[int],
     transfer_id: int,
 ) -> None:
@@ -93,9 +91,8 @@ def recv_pieces(
     (the blocks of the pieces that did arrive are then recomputed or dropped anyway)."""
 
     def recv(route: HeadRoute) -> None:
-        peer = rank_peer_id(prefill_id, route.src)
-        transport.ensure_group(peer, transport.address, session)
-        transport.recv_blocks(peer, head_view(kv_caches, kv_head_start, route), block_ids, transfer_id)
+        peer, endpoint = rank_peer_id(prefill_id, route.src), prefill_endpoints[route.src]
+        transport.receive(peer, endpoint, head_view(kv_caches, kv_head_start, route), block_ids, transfer_id)
 
     _each(recv, pieces)
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.cpu_features import detect
+from cluster.host.cpu_features import detect
 from cluster.model.linear import Linear, fuse_linears
 from cluster.model.norm import RMSNorm
 from cluster.model.rotary import RotaryEmbedding
@@ -41,7 +41,7 @@ def attention_in_fp32(q: torch.Tensor) -> bool:
 
 def prompt_attention_in_c(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """A prompt chunk attends in the C kernel, not in torch's SDPA, where the kernel multiplies
-    bf16 in hardware (bf16 queries and cache; kernels/csrc/cpu_kernels.c: amx_attend in AMX
+    bf16 in hardware (bf16 queries and cache; kernels/csrc/attention_run.c: amx_attend in AMX
     tiles, run_attend in AVX512-BF16 dot products). Per layer, 9 query / 3 KV heads, D=64:
       Intel Xeon with AMX, 1 thread, C vs masked SDPA: 56 tokens after 1456 cached 0.62 vs
       1.50 ms, 16 after 1024 0.18 vs 0.48 ms, 256 after 1024 2.1 vs 3.0 ms; a whole 1024-token

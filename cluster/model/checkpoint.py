@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch is imported by whoever reads tensors: the gateway reads configs, torch-free
     import torch

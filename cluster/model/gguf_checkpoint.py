@@ -1,7 +1,7 @@
 """A GGUF file (llama.cpp's format) read directly as a Checkpoint: no conversion step.
 
     metadata   general.architecture + `<arch>.*` keys -> a Hugging Face config dict
-    tokenizer  `tokenizer.*` keys -> cluster/gguf_tokenizer.py
+    tokenizer  `tokenizer.*` keys -> cluster/model/gguf_tokenizer.py
     tensors    llama.cpp names -> Hugging Face names, dequantized (the `gguf` package's
                numpy kernels) to float32; the loader casts to the serving dtype
 
@@ -26,10 +26,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from cluster.gguf_reader import MappedGGUFReader
-from cluster.gguf_tokenizer import build_tokenizer, read_vocab
 from cluster.model.checkpoint import Checkpoint, ModelLoadError, Slice, SliceSelector
-from cluster.tokenizer import Tokenizer
+from cluster.model.gguf_reader import MappedGGUFReader
+from cluster.model.gguf_tokenizer import build_tokenizer, read_vocab
+from cluster.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch

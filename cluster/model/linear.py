@@ -49,7 +49,7 @@ kernel takes also runs all its layers in one C call (cluster/model/cpu_step.py),
 saves more than oneDNN's lead at a few row counts (fp32 at 16 rows) costs. Each packed copy
 costs one more copy of the weight in memory (half of one for an fp32 model's compact copy,
 `pack_linears_for_cpu` below).
-bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/cpu_features.py):
+bf16 packing in oneDNN needs native bf16 (AVX-512-BF16 or AMX, cluster/host/cpu_features.py):
 without it oneDNN refuses to pack (AVX2) or only emulates bf16, and F.linear is the path.
 """
 
@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.cpu_features import detect
+from cluster.host.cpu_features import detect
 from kernels import cpu
 
 PACKED_MAX_ROWS = 256

@@ -2,7 +2,7 @@
 
 The checkpoint is a Hugging Face directory or a GGUF file (cluster/model/checkpoint.py).
 Every parameter must be found in it and every tensor it holds must be used. The dtype
-follows from the device and, on CPU, from what the CPU can do (cluster/cpu_features.py).
+follows from the device and, on CPU, from what the CPU can do (cluster/host/cpu_features.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cluster.cpu_features import compiler_isa_flags, detect
+from cluster.host.cpu_features import compiler_isa_flags, detect
 from cluster.model.checkpoint import Checkpoint, ModelLoadError
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.decoder import CausalLM

@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from cluster.errors import RankLostError
+from cluster.host.rendezvous import StoreAddress, listening_store
 from cluster.model.shm_collectives import ShmCollectives
-from cluster.ports import StoreAddress
-from cluster.rendezvous import listening_store
 
 log = logging.getLogger(__name__)
 

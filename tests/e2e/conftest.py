@@ -16,7 +16,6 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import build_app, grpc_options
 from cluster.config import (
     APP_NAME,
     CacheConfig,
@@ -28,9 +27,10 @@ from cluster.config import (
     TierConfig,
     TransportConfig,
 )
-from cluster.ports import free_port
-from cluster.redis_server import PrivateRedis
-from cluster.serve_main import start_local_ray
+from cluster.launch.app import build_app, grpc_options
+from cluster.launch.ports import free_port
+from cluster.launch.redis_server import PrivateRedis
+from cluster.launch.serve import start_local_ray
 
 API_KEY = "sk-test-0123456789"
 MODEL_NAME = "tiny-qwen2"

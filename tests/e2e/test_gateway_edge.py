@@ -10,9 +10,9 @@ import httpx
 import ray
 from ray._private import ray_constants
 
-from cluster import redis_client
 from cluster.config import LOCAL_SERVE_ENVIRONMENT, GatewayConfig, TransportConfig
-from cluster.redis_server import PrivateRedis
+from cluster.kv import redis_client
+from cluster.launch.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import metric, wait_until
 
@@ -189,7 +189,8 @@ def test_rate_limit_per_key_is_shared_through_redis(live, auth):
     other_key = "sk-other-key"
     with PrivateRedis() as limiter_redis:
         live.redeploy(
-            GatewayConfig(api_keys=(API_KEY, other_key), rate_limit_rps=0.2, rate_limit_burst=2),
+            # A token comes back every 1000 s: none within the test, however slow the machine.
+            GatewayConfig(api_keys=(API_KEY, other_key), rate_limit_rps=0.001, rate_limit_burst=2),
             redis_url=limiter_redis.url,
             gateways=2,
         )

@@ -10,13 +10,14 @@ import json
 import random
 from pathlib import Path
 
+import psutil
 import pytest
 
 from cluster.config import GatewayConfig, RoutingConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.hashing import hash_prefix_blocks
-from cluster.redis_server import PrivateRedis
+from cluster.launch.redis_server import PrivateRedis
 from tests.e2e.conftest import API_KEY
 from tests.e2e.test_gateway_edge import metric
 from tests.helpers import all_blocks_returned, wait_until
@@ -136,11 +137,12 @@ def _local_prefills(handle) -> int:
 
 @pytest.mark.parametrize("max_local", [512, 0])
 def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, wide_model_config, max_local):
-    """A burst of 200-token prompts onto one slow prefill replica: with local prefill allowed
-    (max_local_prefill_tokens 512), once its queue would start a prompt later than the decode
-    worker can finish it, the decode worker computes it itself (no transfer); the first
-    prompts still go to the prefill tier. With 0, all go there. Outputs are the undisturbed
-    greedy ones either way, and every block returns."""
+    """A burst of 200-token prompts onto a prefill replica that has fallen behind (stopped,
+    SIGSTOP, until the burst is placed: behind whatever the machine's speed): with local
+    prefill allowed (max_local_prefill_tokens 512), once its queue would start a prompt later
+    than the decode worker can finish it, the decode worker computes it itself (no
+    transfer); the first prompts still go to the prefill tier. With 0, all go there. Outputs
+    are the undisturbed greedy ones either way, and every block returns."""
     handle = live.redeploy(routing=RoutingConfig(max_local_prefill_tokens=max_local), engine=wide_model_config)
     reference = Engine(wide_model_config)
     rng = random.Random(max_local)  # prompts of its own: no cache holds them (replicas outlive a redeploy)
@@ -149,10 +151,28 @@ def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, w
     before_local, before_metric = _local_prefills(handle), metric(scrape(live), "pdserve_route_local_prefills_total")
     received_before = sum(s["transport"]["transfers_ok"] for s in handle.worker_stats.remote().result()["decode"].values())
 
+    (prefill_pid,) = [s["pid"] for s in handle.worker_stats.remote().result()["prefill"].values()]
+    prefill = psutil.Process(prefill_pid)
+
     async def burst():
         async def one(ids):
             return [t async for out in handle.options(stream=True).generate.remote(ids, GREEDY) for t in out.new_token_ids]
-        return await asyncio.gather(*(one(ids) for ids in prompts))
+
+        if not max_local:  # every prompt goes to the prefill tier, however far behind it is
+            return await asyncio.gather(*(one(ids) for ids in prompts))
+        prefill.suspend()
+        try:
+            outputs = asyncio.gather(*(one(ids) for ids in prompts))
+            def decode_computed_one() -> bool:  # (a stats poll with a deadline: the stopped prefill replica never answers)
+                stats, _ = handle.poll_workers.remote(2.0).result()
+                return sum(s["local_prefills"] for s in stats["decode"].values()) > before_local
+
+            helped = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: wait_until(decode_computed_one, timeout_s=30, interval_s=0.2))
+            assert helped  # prompts computed where they decode while the prefill tier stood still
+        finally:
+            prefill.resume()
+        return await outputs
 
     assert asyncio.run(burst()) == expected
     local = _local_prefills(handle) - before_local

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 from tests.helpers import all_blocks_returned, wait_until
 

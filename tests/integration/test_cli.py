@@ -48,10 +48,10 @@ def test_parsing_a_command_line_imports_neither_torch_nor_ray():
 
 
 def test_status_and_an_early_error_import_no_torch():
-    """`pdserve status` asks Ray alone (cluster/status.py): torch would double its time.
+    """`pdserve status` asks Ray alone (cluster/launch/status.py): torch would double its time.
     A command that fails before its code is imported (here a bad PDSERVE_CPU_DISABLE)
     reports it in one line without importing torch or Ray to name the error's type."""
-    assert fresh_imports("import cluster.status", ("torch", "triton"))[0] == []
+    assert fresh_imports("import cluster.launch.status", ("torch", "triton"))[0] == []
     imported, r = fresh_imports("from cluster.cli import main; print(main(['status']))", ("torch", "ray"),
                                 env={**os.environ, "PDSERVE_CPU_DISABLE": "no-such-capability"})
     assert imported == [] and r.stdout.splitlines()[0] == "2", r.stdout + r.stderr

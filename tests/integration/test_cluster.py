@@ -12,12 +12,12 @@ import pytest
 import ray
 from ray import serve
 
-from cluster import local_ray
-from cluster.app import build_app
 from cluster.config import CacheConfig, ClusterConfig, EngineConfig, SchedulerConfig, TierConfig, TransportConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
+from cluster.host import local_ray
+from cluster.launch.app import build_app
 from tests.helpers import all_blocks_returned, wait_until
 
 SHARED = "You are a helpful assistant. Answer briefly and precisely, citing sources. "

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from cluster.config import CacheConfig
-from cluster.cpu_features import compiler_isa_flags, cpu_flags, detect, features_from_flags, parse_disabled
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host.cpu_features import compiler_isa_flags, cpu_flags, detect, features_from_flags, parse_disabled
 from cluster.model.builtin import builtin_model_path
 from kernels import cpu as cpu_kernels
 from tests.helpers import PDSERVE
@@ -34,12 +34,12 @@ def run(*args, disable: str | None = None, **kw):
 
 def torch_view(disable: str) -> dict:
     probe = (
-        "import json, torch; from cluster.cpu_features import apply_isa_limits, detect; "
+        "import json, torch; from cluster.host.cpu_features import apply_isa_limits, detect; "
         "print(json.dumps({'aten': torch.backends.cpu.get_cpu_capability(), "
         "'onednn_bf16': torch.ops.mkldnn._is_mkldnn_bf16_supported(), 'kind': detect().kind}))"
     )
     # apply_isa_limits must run before torch loads: the probe imports it first.
-    r = run(sys.executable, "-c", "from cluster.cpu_features import apply_isa_limits; apply_isa_limits(); " + probe, disable=disable)
+    r = run(sys.executable, "-c", "from cluster.host.cpu_features import apply_isa_limits; apply_isa_limits(); " + probe, disable=disable)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

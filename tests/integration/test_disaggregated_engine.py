@@ -44,7 +44,7 @@ def prefill(engine: Engine, prompt, params, generated=()) -> tuple[str, int]:
 
 def disaggregated(p_engine: Engine, d_engine: Engine, prompt, params, kv_received=True, generated=()):
     rid, first = prefill(p_engine, prompt, params, generated)
-    reserved = d_engine.add_remote_request(prompt, params, generated=generated)
+    reserved = d_engine.add_remote_request(d_engine.inputs.process(prompt, params), generated=generated)
     assert reserved is not None
     drid, dst_ids, num_cached = reserved
     # The first token streams before the KV arrives; the request then waits for it.
@@ -108,7 +108,7 @@ def test_kv_sent_chunk_by_chunk_gives_the_tokens_one_send_gives(tiny_models):
     p_engine, d_engine = make_engine(model), make_engine(model)
     p_engine.scheduler.config = dataclasses.replace(p_engine.scheduler.config, max_num_batched_tokens=8)
     p_engine.step_budget.max_tokens = 8
-    drid, dst_ids, num_cached = d_engine.add_remote_request(prompt, params)
+    drid, dst_ids, num_cached = d_engine.add_remote_request(d_engine.inputs.process(prompt, params))
     rid = p_engine.add_request(prompt, params.for_first_token(0), hold_kv=True, stream_kv=True)
     copied, reports, first = 0, [], None
     while first is None:
@@ -154,7 +154,7 @@ def test_abort_releases_held_and_reserved_blocks(tiny_llama):
     rid, _ = prefill(p_engine, PROMPTS[1], params)
     assert p_engine.pool.num_used_blocks > 0
     p_engine.abort(rid)  # the decode side went away: the held blocks return
-    drid, _, _ = d_engine.add_remote_request(PROMPTS[1], params)
+    drid, _, _ = d_engine.add_remote_request(d_engine.inputs.process(PROMPTS[1], params))
     assert d_engine.pool.num_used_blocks > 0
     d_engine.abort(drid)
     for e in (p_engine, d_engine):
@@ -172,7 +172,7 @@ def test_first_token_that_ends_the_request_frees_blocks_only_after_the_transfer(
     p_engine, d_engine = make_engine(tiny_llama), make_engine(tiny_llama)
     rid, first = prefill(p_engine, PROMPTS[1], params)
     assert first == first_greedy
-    drid, _, _ = d_engine.add_remote_request(PROMPTS[1], params)
+    drid, _, _ = d_engine.add_remote_request(d_engine.inputs.process(PROMPTS[1], params))
     out = d_engine.accept_first_token(drid, first)
     assert out.finished and out.finish_reason == "stop" and out.new_text == ""
     assert d_engine.pool.num_used_blocks > 0  # held: the transfer may still write them
@@ -220,7 +220,7 @@ def test_a_lost_prefill_is_computed_on_the_decode_engine(tiny_llama):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     want = make_engine(tiny_llama).generate([PROMPTS[2]], params)[0].token_ids
     d_engine = make_engine(tiny_llama)
-    rid, _, _ = d_engine.add_remote_request(PROMPTS[2], params)
+    rid, _, _ = d_engine.add_remote_request(d_engine.inputs.process(PROMPTS[2], params))
     assert not d_engine.commit_remote(rid, True)  # no first token accepted: not a commit
     assert d_engine.compute_here(rid)
     tokens = []

@@ -110,14 +110,14 @@ def test_async_stream_matches_batch_and_cancel_aborts(engine):
 
     async def collect():
         tokens, text, last = [], "", None
-        async for delta in aengine.generate("stream me", greedy):
+        async for delta in aengine.stream(engine.inputs.process("stream me", greedy)):
             tokens += delta.new_token_ids
             text += delta.new_text
             last = delta
         return tokens, text, last
 
     async def cancel_midway():
-        agen = aengine.generate("cancel me", SamplingParams(max_tokens=200, ignore_eos=True))
+        agen = aengine.stream(engine.inputs.process("cancel me", SamplingParams(max_tokens=200, ignore_eos=True)))
         async for _ in agen:
             break
         await agen.aclose()  # consumer goes away: the request is aborted
@@ -154,7 +154,7 @@ def test_async_engine_builds_its_engine_on_the_engine_thread(tiny_llama):
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
         async def collect():
-            return [d async for d in aengine.generate("hello", greedy)]
+            return [d async for d in aengine.stream(aengine.engine.inputs.process("hello", greedy))]
 
         deltas = asyncio.run(collect())
         assert sum(len(d.new_token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"

@@ -21,13 +21,13 @@ from tokenizers import decoders, models, normalizers, trainers
 from cluster.config import CacheConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.gguf_reader import MappedGGUFReader
 from cluster.model.builtin import builtin_model_path
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.gguf_checkpoint import SUPPORTED_TYPES
+from cluster.model.gguf_reader import MappedGGUFReader
 from cluster.testing.gguf_export import export_gguf
 from cluster.testing.random_checkpoint import make_model, training_corpus
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 from tests.helpers import PDSERVE, run_all
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "Water boils at 100"]
@@ -78,7 +78,7 @@ def test_builtin_smollm2_matches_transformers(smollm2):
 
 
 def test_the_mapped_reader_reads_what_gguf_reads():
-    """cluster/gguf_reader.py parses over a plain view of the map: every field, value and
+    """cluster/model/gguf_reader.py parses over a plain view of the map: every field, value and
     tensor of the built-in model's file as the gguf package's own reader gives them."""
     ours, theirs = MappedGGUFReader(builtin_model_path()), GGUFReader(builtin_model_path())
     assert list(ours.fields) == list(theirs.fields)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, EngineConfig
-from cluster.cpu_features import DISABLE_ENV, compiler_isa_flags, detect
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host.cpu_features import DISABLE_ENV, compiler_isa_flags, detect
 from cluster.model.families import UnsupportedModelError
 from cluster.model.linear import Linear
 from cluster.model.loader import ModelLoadError, load_model

@@ -14,7 +14,7 @@ import pytest
 from cluster.config import CacheConfig, EngineConfig, RoutingConfig
 from cluster.engine.kv_cache_manager import num_reusable_blocks
 from cluster.kv.hashing import hash_prefix_blocks
-from cluster.redis_server import PrivateRedis
+from cluster.launch.redis_server import PrivateRedis
 from router.metrics import GatewayMetrics
 from router.placement import PREFIX_HASH_BLOCKS, Placer
 from router.replica_router import rendezvous_order

@@ -9,11 +9,10 @@ import asyncio
 import pytest
 import redis
 
-from cluster import redis_client
-from cluster.kv import prefix_index
+from cluster.kv import prefix_index, redis_client
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.kv.prefix_index import PrefixIndex
-from cluster.redis_server import PrivateRedis
+from cluster.launch.redis_server import PrivateRedis
 from tests.helpers import IndexedWorker
 
 BS = 4

@@ -11,11 +11,11 @@ import psutil
 import pytest
 import redis
 
-from cluster import redis_client
-from cluster.redis_server import PrivateRedis
+from cluster.kv import redis_client
+from cluster.launch.redis_server import PrivateRedis
 from tests.helpers import wait_until
 
-OWNER = "from cluster.redis_server import PrivateRedis; r = PrivateRedis(); print(r.port, flush=True); import time; time.sleep(120)"
+OWNER = "from cluster.launch.redis_server import PrivateRedis; r = PrivateRedis(); print(r.port, flush=True); import time; time.sleep(120)"
 
 
 def port_open(port: int) -> bool:

@@ -16,12 +16,12 @@ import openai
 import psutil
 import pytest
 
-from cluster import engine_cores
-from cluster.bind_policy import is_loopback
-from cluster.ingress import resolve
-from cluster.lifetime import POLL_S
-from cluster.openmp import usable_cpus, waiting_env
-from cluster.ports import free_port, port_free
+from cluster.host import engine_cores
+from cluster.host.bind_policy import is_loopback
+from cluster.host.openmp import usable_cpus, waiting_env
+from cluster.launch.ingress import resolve
+from cluster.launch.lifetime import POLL_S
+from cluster.launch.ports import free_port, port_free
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import PDSERVE, wait_until
@@ -145,7 +145,7 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         assert [(r["torch_threads"], r["openmp_wait"]) for r in ranks] == [(torch_threads, wait)] * 2
         # Where every engine thread has a core and the decode engine's leave one to spare, the
         # decode engine's thread has its own, and the prefill engine's yields to everything
-        # else (cluster/engine_cores.py).
+        # else (cluster/host/engine_cores.py).
         cores = engine_cores.plan(torch_threads, 2 * torch_threads)
         assert [(r["cores"], r["yields"]) for r in ranks] == [(None, bool(cores)), (list(cores.decode) if cores else None, False)]
         prefill, decode = (psutil.Process(r["pid"]) for r in ranks)
@@ -207,7 +207,7 @@ def test_ctrl_c_while_starting_stops_everything_without_a_traceback(tiny_llama):
 @pytest.mark.parametrize("kill", ["SIGKILL", "group-SIGTERM"])
 def test_a_killed_serve_leaves_no_process_behind(tiny_llama, kill):
     """kill -9 of `pdserve serve`: every process it had started goes (Ray's, Serve's HAProxy
-    holding the ports, the private redis-server, the reaper itself; cluster/lifetime.py).
+    holding the ports, the private redis-server, the reaper itself; cluster/launch/lifetime.py).
     SIGTERM to its whole process group (systemd's KillMode=control-group, a container
     runtime), which kills Ray's own processes under it at once: it stops by itself, with
     status 143, and leaves nothing either (it once waited on the dead GCS for a minute, then

@@ -10,9 +10,9 @@ import pytest
 import ray
 import torch
 
-from cluster import local_ray
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host import local_ray
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch
 from cluster.model.sharding import shard_of, tensor_slice

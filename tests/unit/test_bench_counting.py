@@ -14,7 +14,7 @@ from cluster.bench.openai_client import RequestResult
 from cluster.bench.serve_bench import arrival_times, goodput_slos, parse_metrics, server_deltas, summarize, throughput_over_time
 from cluster.bench.sweep_compare import LocalTarget, attainment, local_target, parse_target
 from cluster.engine.step_times import StepTimes
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 from router.metrics import GatewayMetrics
 
 

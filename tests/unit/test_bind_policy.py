@@ -1,4 +1,4 @@
-"""Serve's listeners rebound by cluster/bind_policy.py, in a fresh interpreter as a local Ray's
+"""Serve's listeners rebound by cluster/host/bind_policy.py, in a fresh interpreter as a local Ray's
 worker process runs it: a gRPC server Serve would bind on every interface listens on loopback,
 an API port on the API host, and HAProxy's metrics and stats frontends bind loopback."""
 
@@ -9,13 +9,13 @@ import textwrap
 
 import pytest
 
-from cluster.bind_policy import is_loopback
-from cluster.ports import free_port
+from cluster.host.bind_policy import is_loopback
+from cluster.launch.ports import free_port
 
 PROBE = textwrap.dedent("""
     import asyncio, json, os, psutil
     os.environ.update(PDSERVE_API_HOST="0.0.0.0", PDSERVE_API_PORTS=str(API_PORT))
-    from cluster import bind_policy
+    from cluster.host import bind_policy
     bind_policy.apply()
     bind_policy.apply()  # a second time changes nothing
     import grpc

@@ -4,8 +4,8 @@ whatever CPU runs the tests (capabilities are given, not read from this machine)
 import pytest
 import torch
 
-from cluster import cpu_features
-from cluster.cpu_features import CpuCapabilityError, compiler_isa_flags, features_from_flags, isa_limits, parse_disabled
+from cluster.host import cpu_features
+from cluster.host.cpu_features import CpuCapabilityError, compiler_isa_flags, features_from_flags, isa_limits, parse_disabled
 from cluster.model import linear, loader
 
 AVX2 = {"avx", "avx2", "fma"}

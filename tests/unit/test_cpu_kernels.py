@@ -1,4 +1,4 @@
-"""The C kernels (kernels/csrc/cpu_kernels.c) against their torch references, built twice:
+"""The C kernels (kernels/csrc/) against their torch references, built twice:
 for this CPU (`-march=native`) and capped at AVX2 (as on an AVX2-only EPYC), so both code
 paths run on any machine. Also: the build cache, the fallback when nothing can be built.
 
@@ -6,13 +6,14 @@ Exactness: rotary, store_kv and bf16 RMSNorm round exactly as torch does, so the
 equal; sums (linear, RMSNorm's mean, attention) differ from torch's only in summation order.
 """
 
+import shutil
 import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.cpu_features import compiler_isa_flags, cpu_flags, detect, features_from_flags
+from cluster.host.cpu_features import compiler_isa_flags, cpu_flags, detect, features_from_flags
 from kernels import cpu
 from kernels.kv_store import store_kv_reference
 from kernels.rms_norm import rms_norm_reference
@@ -27,7 +28,7 @@ SSE_FLAGS = compiler_isa_flags(features_from_flags(cpu_flags(), frozenset({"avx2
 # caps it, so that a suite run with avx512 off tests what an AVX2-only CPU runs), capped at
 # AVX2, without AVX (4-lane vectors), on an AMX CPU also without AMX (as on an AMD EPYC with
 # AVX-512-BF16), and on an AVX-512-BF16 CPU also without bf16 products (as on an Intel Xeon
-# before Cooper Lake: bf16 weights widened to fp32, 16 lanes), so each code path of the C file
+# before Cooper Lake: bf16 weights widened to fp32, 16 lanes), so each code path of the C files
 # runs here.
 ISA_BUILDS = {"native": compiler_isa_flags(detect()), "AVX2": AVX2_FLAGS, "SSE": SSE_FLAGS}
 if features_from_flags(cpu_flags(), frozenset()).amx:
@@ -334,6 +335,21 @@ def test_paged_attention_softmax_survives_large_scores(dtype):
     out = cpu.paged_attention_decode(q, k_cache, v_cache, tables, lens, 1.0)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), _naive_decode_attention(q, k_cache, v_cache, tables, lens, 1.0), **_tol(dtype))
+
+
+def test_an_edit_to_any_source_file_builds_anew(tmp_path, monkeypatch):
+    """The cache key hashes every file of csrc/, not the compiled file alone (it includes the
+    others): a library built before an edit to any of them is never loaded after it."""
+    sources = tmp_path / "csrc"
+    shutil.copytree(cpu.SOURCE.parent, sources)
+    monkeypatch.setattr(cpu, "SOURCE", sources / cpu.SOURCE.name)
+    cc, flags = cpu._compiler(), cpu.compile_flags()
+    keys = {cpu._library_path(cc, flags)}
+    files = sorted(sources.iterdir())
+    for path in files:
+        path.write_text(path.read_text() + "\n")
+        keys.add(cpu._library_path(cc, flags))
+    assert len(keys) == len(files) + 1
 
 
 def test_a_missing_compiler_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):

@@ -12,7 +12,7 @@ same C attention on the per-op path)."""
 import pytest
 import torch
 
-from cluster.cpu_features import detect
+from cluster.host.cpu_features import detect
 from cluster.model import attention, cpu_step
 from cluster.model.attention import AttentionMetadata, PrefillSeq
 from cluster.model.linear import WIDE_KERNEL_MAX_ROWS, c_kernel_max_rows

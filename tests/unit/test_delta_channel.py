@@ -1,4 +1,4 @@
-"""The delta channel between workers and gateways (cluster/delta_channel.py), over real
+"""The delta channel between workers and gateways (cluster/serving/delta_channel.py), over real
 TCP connections on this host: what one engine step hands to a worker's event loop goes
 to each gateway as one frame, and a broken connection fails the requests on it."""
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from cluster.delta_channel import DeltaChannelError, DeltaReceiver, DeltaSender, _frame
 from cluster.engine.outputs import RequestOutput
+from cluster.serving.delta_channel import DeltaChannelError, DeltaReceiver, DeltaSender, _frame
 
 
 def delta(request_id: str, token: int, finished: bool = False) -> RequestOutput:

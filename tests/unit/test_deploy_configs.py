@@ -22,9 +22,9 @@ with warnings.catch_warnings():  # ray.serve's pydantic models still use v1-styl
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema, ServeApplicationSchema, ServeDeploySchema
 
-from cluster import ingress
-from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app, tier_options
 from cluster.config import RAY_SYSTEM_CONFIG, ClusterConfig, from_dict
+from cluster.launch import ingress
+from cluster.launch.app import GRPC_SERVICER_FUNCTIONS, build_app, tier_options
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_SCHEMA = Path(os.path.dirname(ray.autoscaler.__file__)) / "ray-schema.json"
@@ -124,7 +124,7 @@ def test_cluster_yaml_has_a_gpu_free_head_and_one_gpu_node_type_per_tier(cluster
 
 def test_every_ray_start_carries_the_direct_ingress_settings(cluster):
     """Serve reads them once per process: each node's `ray start` must set what a local
-    `pdserve serve` sets (cluster/ingress.py), or that node's gateways sit behind proxies."""
+    `pdserve serve` sets (cluster/launch/ingress.py), or that node's gateways sit behind proxies."""
     settings = " ".join(f"{k}={v}" for k, v in ingress.environment("direct", local=False).items())
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         (start,) = [c for c in cluster[key] if "ray start" in c]
@@ -202,7 +202,7 @@ def test_serve_yaml_matches_serves_schema(serve):
     schema = serve_validate(serve)
     (app,) = schema.applications
     assert app.name == "pdserve" and app.route_prefix == "/"
-    assert app.import_path == "cluster.app:app_builder"
+    assert app.import_path == "cluster.launch.app:app_builder"
     assert schema.http_options.host == "0.0.0.0" and schema.http_options.port == 8000
     assert schema.grpc_options.port == 9000
 
@@ -256,7 +256,7 @@ def test_serve_deployments_scale_prefill_and_decode_separately(serve):
     "mutate, error",
     [
         pytest.param(lambda s: s.update(proxy_location="Everywhere"), ValueError, id="bad-proxy_location"),
-        pytest.param(lambda s: app_of(s).update(import_path="cluster.app:app:builder"), ValueError,
+        pytest.param(lambda s: app_of(s).update(import_path="cluster.launch.app:app:builder"), ValueError,
                      id="bad-import_path"),
         pytest.param(lambda s: overrides_of(s)["DecodeWorker"].update(num_replicas=3), ValueError,
                      id="num_replicas-with-autoscaling_config"),

@@ -1,4 +1,4 @@
-"""Decode engines' own cores, yielding prefill engines (cluster/engine_cores.py): the
+"""Decode engines' own cores, yielding prefill engines (cluster/host/engine_cores.py): the
 plan, the claims (real lock files, a real process killed while it holds one) and engine
 threads placing themselves, on whatever cores this machine has."""
 
@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from cluster.config import ClusterConfig, EngineConfig, TierConfig
-from cluster.engine_cores import CORES_ENV, HOST_CORES, YIELDS_ENV, CorePlan, claim_cores, place_engine_thread, plan
-from cluster.serve_main import engine_cores_of, on_this_machine
+from cluster.host.engine_cores import CORES_ENV, HOST_CORES, YIELDS_ENV, CorePlan, claim_cores, place_engine_thread, plan
+from cluster.launch.serve import engine_cores_of, on_this_machine
 
 several_cores = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores")
 
@@ -49,7 +49,7 @@ def test_a_claimed_core_is_nobody_elses_until_released(tmp_path):
 
 def test_the_core_of_a_killed_engine_process_is_free_again(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from cluster.engine_cores import claim_cores; "
+        [sys.executable, "-c", "import sys, time; from cluster.host.engine_cores import claim_cores; "
          f"c = claim_cores(1, [7], {str(tmp_path)!r}); print(c.cores, flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True,
     )

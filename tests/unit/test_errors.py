@@ -10,7 +10,7 @@ from cluster.errors import (
     StalledError,
     TransferFailedError,
 )
-from cluster.faults import can_migrate, is_worker_fault
+from cluster.serving.faults import can_migrate, is_worker_fault
 from tests.helpers import fresh_imports
 
 
@@ -31,5 +31,5 @@ def test_request_errors_and_bugs_do_not_migrate(error):
 
 def test_the_offline_engine_and_its_errors_import_no_serve():
     """`pdserve generate` and `bench engine` raise cluster/errors.py's errors without Ray
-    Serve, whose import cost each of them ~1 s: it comes with cluster/faults.py, in the tiers."""
+    Serve, whose import cost each of them ~1 s: it comes with cluster/serving/faults.py, in the tiers."""
     assert fresh_imports("import cluster.engine.engine", ("ray.serve",))[0] == []

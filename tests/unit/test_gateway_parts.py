@@ -12,9 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
+from cluster.engine.input_processor import TokenizedRequest
 from cluster.engine.outputs import RequestOutput
 from cluster.errors import InvalidRequestError, KVCacheFullError
-from cluster.redis_server import PrivateRedis
+from cluster.launch.redis_server import PrivateRedis
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.admission import Admission, RequestLimits
 from router.auth import ApiKeyAuth, load_api_keys
@@ -326,17 +327,17 @@ class EndlessRouter:
     """What GrpcServing uses of the Router: a stream of one token per tick until closed."""
 
     def __init__(self):
-        self.inputs = SimpleNamespace(process=lambda prompt, params: [1, 2, 3])
+        self.inputs = SimpleNamespace(process=lambda prompt, params: TokenizedRequest([1, 2, 3], params))
         self.closed = asyncio.Event()
 
     def new_request_id(self) -> str:
         return "internal"
 
-    async def generate(self, ids, params, request_id):
+    async def stream(self, request, request_id):
         try:
             while True:
                 await asyncio.sleep(0.001)
-                yield RequestOutput(request_id, [7], "x", False, None, len(ids), 1, 0)
+                yield RequestOutput(request_id, [7], "x", False, None, len(request.prompt_token_ids), 1, 0)
         finally:
             self.closed.set()
 
@@ -352,7 +353,7 @@ LIMITS = RequestLimits(max_prompts=4, max_choices=8, max_input_tokens=100)
 def abortable_stream(api_key=""):
     router = EndlessRouter()
     serving = GrpcServing(router, "m", always_admitted, LIMITS)
-    return router, serving, serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"), api_key)
+    return router, serving, serving.stream(pb.GenerateRequest(text="hi", request_id="client-1"), api_key)
 
 
 def test_an_abort_between_two_messages_spares_the_streaming_task_and_ends_at_the_next():
@@ -418,10 +419,10 @@ def test_request_ids_are_each_keys_own():
         with pytest.raises(NotFound) as nobody:
             serving.abort(pb.AbortRequest(request_id="no-such-id"), "sk-b")
         assert other.value.message == nobody.value.message.replace("no-such-id", "client-1")
-        same_id_other_key = serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"), "sk-b")
+        same_id_other_key = serving.stream(pb.GenerateRequest(text="hi", request_id="client-1"), "sk-b")
         await anext(same_id_other_key)
         with pytest.raises(AlreadyExists):
-            await anext(serving.generate(pb.GenerateRequest(text="hi", request_id="client-1"), "sk-a"))
+            await anext(serving.stream(pb.GenerateRequest(text="hi", request_id="client-1"), "sk-a"))
         serving.abort(pb.AbortRequest(request_id="client-1"), "sk-a")
         with pytest.raises(Aborted):
             await anext(stream)

@@ -7,7 +7,7 @@ import sys
 
 STEPS = """
 import resource, sys, torch
-from cluster.host_memory import keep_freed_memory
+from cluster.host.memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 x = torch.randn(2048, 576)

@@ -1,4 +1,4 @@
-"""The reaper (cluster/lifetime.py) with real processes: an owner that starts it and a
+"""The reaper (cluster/launch/lifetime.py) with real processes: an owner that starts it and a
 child of its own, then dies by SIGKILL."""
 
 import os
@@ -10,11 +10,11 @@ import time
 
 import psutil
 
-from cluster.lifetime import POLL_S, STOP_GRACE_S
+from cluster.launch.lifetime import POLL_S, STOP_GRACE_S
 
 OWNER = textwrap.dedent("""
     import subprocess, sys, time
-    from cluster.lifetime import start_reaper
+    from cluster.launch.lifetime import start_reaper
     reaper = start_reaper()
     child = subprocess.Popen(["sleep", "600"], start_new_session=True)  # outlives its parent by default
     print(reaper.pid, child.pid, flush=True)

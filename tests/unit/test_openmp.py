@@ -1,4 +1,4 @@
-"""The process's OpenMP rules (cluster/openmp.py): serial_torch makes a thread's torch ops
+"""The process's OpenMP rules (cluster/host/openmp.py): serial_torch makes a thread's torch ops
 make no OpenMP team; workers whose threads outnumber the cores wait passively."""
 
 import os
@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from cluster.app import tier_options
 from cluster.config import ClusterConfig, EngineConfig, TierConfig
-from cluster.openmp import WAIT_SETTINGS, _libgomp, serial_torch, usable_cpus, wait_settings, waiting_env
-from cluster.serve_main import compute_threads, on_this_machine
+from cluster.host.openmp import WAIT_SETTINGS, _libgomp, serial_torch, usable_cpus, wait_settings, waiting_env
+from cluster.launch.app import tier_options
+from cluster.launch.serve import compute_threads, on_this_machine
 
 needs_libgomp = pytest.mark.skipif(_libgomp() is None, reason="torch runs on another OpenMP runtime than libgomp")
 

@@ -6,7 +6,6 @@ transformers is a test-only dependency; it is imported here, never by cluster/.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from cluster.testing.random_checkpoint import (
     param_shapes,
     train_tokenizer,
 )
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -211,9 +210,7 @@ def test_dtype_vocab_and_seed(tiny, tmp_path):
 
 
 def test_deterministic(tiny, tmp_path):
-    t0 = time.perf_counter()
     again = make_model("llama", "tiny", tmp_path / "again")
-    assert time.perf_counter() - t0 < 3.0
     names = sorted(p.name for p in tiny["llama"].iterdir())
     assert names == sorted(p.name for p in again.iterdir())
     for name in names:

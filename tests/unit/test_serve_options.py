@@ -1,15 +1,15 @@
 """`pdserve serve`'s flags reach the config the engines are built from, with the config's
-own validation (cluster/serve_options.py)."""
+own validation (cluster/launch/options.py)."""
 
 import os
 import socket
 
 import pytest
 
-from cluster import ingress, ports
 from cluster.cli import build_parser
 from cluster.config import LOCAL_SERVE_ENVIRONMENT, ClusterConfig, from_dict
-from cluster.serve_main import config_from_args
+from cluster.launch import ingress, ports
+from cluster.launch.serve import config_from_args
 
 
 def config_of(*flags: str):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cluster.kv import shm_slots
+from cluster.kv.transport import shm_slots
 
 pytestmark = pytest.mark.skipif(not shm_slots.available(), reason="no writable /dev/shm")
 
@@ -35,7 +35,7 @@ def test_a_slot_is_reused_after_an_ack_and_never_after_a_failure():
 
 def test_a_taken_name_is_an_oserror_not_a_crash():
     pool = shm_slots.SlotPool()
-    blocker = shm_slots.slot_path(os.getpid(), 0, shm_slots.CAPACITY_STEP)
+    blocker = shm_slots.next_slot_path(shm_slots.CAPACITY_STEP)
     open(blocker, "w").close()
     try:
         with pytest.raises(OSError):

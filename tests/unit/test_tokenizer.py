@@ -1,4 +1,4 @@
-"""cluster/tokenizer.py against tiny checkpoints made by make_model (no downloads)."""
+"""cluster/text/tokenizer.py against tiny checkpoints made by make_model (no downloads)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jinja2.exceptions
 import pytest
 
 from cluster.testing.random_checkpoint import ARCHS, make_model
-from cluster.tokenizer import (
+from cluster.text.tokenizer import (
     REPLACEMENT_CHAR,
     ChatTemplateError,
     IncrementalDetokenizer,

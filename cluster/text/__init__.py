@@ -1,0 +1,1 @@
+"""Text and tokens: the tokenizer (Hugging Face tokenizers) and chat templates."""
