@@ -90,14 +90,18 @@ def decode_step_bound_ms(engine: Engine, batch: int, context: float, wbytes: int
 
 def weight_bytes(engine: Engine) -> int:
     """The weight bytes a decode step streams: every parameter once, a linear's as the copy
-    its C kernel reads where it has one (an fp32 model's compact copies are bf16). The
+    its C kernel reads where it has one (an fp32 model's compact copies are bf16, a
+    quantized weight's records are the file's bytes). The
     whole model's: tensor-parallel, rank 0's shard times the ranks, which read theirs at the
     same time from the same memory."""
     model = engine.loaded.model
     kernel_copies = {id(m.weight): m.kernel_weight.data for m in model.modules()
                      if isinstance(m, Linear) and m.kernel_weight is not None}
     read = [kernel_copies.get(id(p), p) for p in model.parameters()]
-    return sum(t.numel() * t.element_size() for t in read) * model.shard.size
+    # a weight kept quantized: its records (a tied table's once: the head reads it, the lookup a few rows)
+    records = {id(m.quantized_weight): m.quantized_weight.data for m in model.modules()
+               if isinstance(m, Linear) and m.quantized_weight is not None}
+    return sum(t.numel() * t.element_size() for t in [*read, *records.values()]) * model.shard.size
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -199,6 +203,7 @@ def run_engine_bench(args) -> int:
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            quantization=args.quantization,
             num_threads=args.threads,
             tensor_parallel_size=args.tensor_parallel_size,
             max_model_len=args.input_len + args.output_len + 16,
@@ -218,6 +223,7 @@ def run_engine_bench(args) -> int:
     results = {
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "kv_cache_dtype": engine.config.cache.dtype,
         "threads": torch.get_num_threads(),
         "tensor_parallel_size": args.tensor_parallel_size,
