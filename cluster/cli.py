@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--model", required=True)
     be.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     add_quantization_flag(be)
+    be.add_argument("--llama-cpp-python", help="the Python of a venv with llama-cpp-python: llama.cpp on the same GGUF "
+                    "file and threads, batch 1, as a baseline")
     be.add_argument("--input-len", type=int, default=256)
     be.add_argument("--output-len", type=int, default=64)
     add_kv_cache_dtype_flag(be)

@@ -61,16 +61,29 @@ static inline __attribute__((always_inline)) vecf load_f16(const uint8_t *p) {
 #endif
 }
 
-/* VLEN code bytes at p as integer lanes. */
+/* VLEN code bytes at p as integer lanes, zero- or sign-extended: one vpmovzxbd / vpmovsxbd
+   (GCC's generic conversion of a byte vector went lane by lane: the linear took 5x the time). */
 static inline __attribute__((always_inline)) veci load_u8(const uint8_t *p) {
+#if VLEN == 16
+    return (veci)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VLEN == 8 && defined(__AVX2__)
+    return (veci)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
     vecb b;
     memcpy(&b, p, sizeof b);
     return __builtin_convertvector(b, veci);
+#endif
 }
 static inline __attribute__((always_inline)) veci load_s8(const uint8_t *p) {
+#if VLEN == 16
+    return (veci)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VLEN == 8 && defined(__AVX2__)
+    return (veci)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
     vecsb b;
     memcpy(&b, p, sizeof b);
     return __builtin_convertvector(b, veci);
+#endif
 }
 
 static inline __attribute__((always_inline)) vecf dequantized(vecf scale, veci q, vecf min) {
