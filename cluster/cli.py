@@ -16,6 +16,7 @@ from cluster.bench.flags import (
     add_chunk_flag,
     add_compare_flags,
     add_kv_cache_dtype_flag,
+    add_quantization_flag,
     add_serve_flags,
     add_sweep_flags,
 )
@@ -67,6 +68,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model=model,
         served_model_name=served_name,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         cache=CacheConfig(memory_gib=args.kv_cache_gib, dtype=args.kv_cache_dtype),
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", choices=DTYPES, default="auto")
+    add_quantization_flag(g)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-gib", type=float, default=1.0)
     add_kv_cache_dtype_flag(g)
@@ -142,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     be = bsub.add_parser("engine", help="offline engine throughput against transformers and the bandwidth roofline")
     be.add_argument("--model", required=True)
     be.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    add_quantization_flag(be)
+    be.add_argument("--llama-cpp-python", help="the Python of a venv with llama-cpp-python: llama.cpp on the same GGUF "
+                    "file and threads, batch 1, as a baseline")
     be.add_argument("--input-len", type=int, default=256)
     be.add_argument("--output-len", type=int, default=64)
     add_kv_cache_dtype_flag(be)

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# auto: a GGUF file's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks where the CPU kernels read
+# them (one rank); none: every tensor is dequantized at load (cluster/model/loader.py)
+QUANTIZATIONS = ("auto", "none")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 KV_CACHE_DTYPE_HELP = "auto: the model's dtype; bfloat16 halves a float32 model's KV memory and attention reads"
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
@@ -84,6 +87,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str  # a Hugging Face model directory or a .gguf file
     dtype: str = "auto"
+    quantization: str = "auto"  # QUANTIZATIONS
     served_model_name: str | None = None  # default: default_served_name(model)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = "cpu"
@@ -102,6 +106,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tp_placement not in PLACEMENT_STRATEGIES:

@@ -54,6 +54,7 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _SIGNATURES = {  # name: (argument types, result type)
     "pd_packed_linear_numel": ([_i64, _i64, _i32], _i64),
     "pd_packed_linear_layout": ([_i32], _i32),
+    "pd_quantized_record_bytes": ([_i32], _i64),
     "pd_amx_tiles": ([], _i32),
     "pd_bf16_products": ([], _i32),
     "pd_compact_weights": ([], _i32),
@@ -253,6 +254,11 @@ class PackedWeight:
     def fits_library(self) -> bool:
         return packed_layout(self.data.dtype) == self.layout
 
+    @property
+    def code(self) -> int:
+        """The weight dtype pd_linear is given."""
+        return DTYPE_CODES[self.data.dtype]
+
 
 @functools.cache
 def packed_layout(dtype: torch.dtype) -> int:
@@ -273,14 +279,15 @@ def pack_linear_weight(weight: torch.Tensor, *, compact: bool = False) -> Packed
     return PackedWeight(data, packed_layout(weight.dtype), out_features, in_features)
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, *, norm: tuple[torch.Tensor, float] | None = None,
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None, *, norm: tuple[torch.Tensor, float] | None = None,
            silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = prologue(x) @ w.T + bias (+ residual), the ops around the matmul fused into its
     reads and writes (see pd_linear):
       norm=(weight, eps): x is [B, K], rms_norm(x, weight, eps) is what gets multiplied;
       silu_mul: x is [B, 2K], silu(x[:, :K]) * x[:, K:] is;
       residual: [B, O], added to the linear's output, rounded as `residual + linear(...)`.
-    Everything in x's dtype; x: [B, K] -> y: [B, O]."""
+    Everything in x's dtype; x: [B, K] -> y: [B, O]. weight: a PackedWeight, or a
+    kernels.quantized.QuantizedWeight (anything with data, code, in_ and out_features)."""
     x = x.contiguous()
     bias = bias.to(x.dtype).contiguous() if bias is not None else None
     prologue, norm_weight, eps = LINEAR_PLAIN, None, 0.0
@@ -294,7 +301,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, *, 
     y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     library().pd_linear(x.data_ptr(), prologue, _ptr(norm_weight), eps, weight.data.data_ptr(), _ptr(bias), _ptr(residual),
                         y.data_ptr(), x.shape[0], weight.in_features, weight.out_features, DTYPE_CODES[x.dtype],
-                        DTYPE_CODES[weight.data.dtype], _threads())
+                        weight.code, _threads())
     return y
 
 
@@ -408,19 +415,20 @@ class DecoderShape:
     scale: float  # attention's
 
 
-def step_layers(h: torch.Tensor, layers: ctypes.Array, weight_dtype: torch.dtype, shape: DecoderShape, positions,
+def step_layers(h: torch.Tensor, layers: ctypes.Array, weight_code: int, shape: DecoderShape, positions,
                 cos_sin_cache, slot_mapping, block_tables, context_lens, kv_dtype: torch.dtype,
                 block_size: int) -> torch.Tensor:
     """Every decoder layer of a step in one call (pd_step_layers): h [B, hidden] goes through
     `layers` in turn and is updated in place; the layers' caches get the new K/V. Every packed
-    weight in `layers` is in `weight_dtype` (h's, or bf16 for compact fp32 ones). Each row's
+    weight in `layers` is of `weight_code` (PackedWeight.code: h's dtype, or bf16 for compact
+    fp32 ones; or QuantizedWeight.code, one quantized format). Each row's
     attention metadata as `rotary_store_attend` takes it: a decode token, or a prompt chunk's
     token with its request's block table and the context up to itself."""
     positions, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
     tables, lens = _tables_and_lens(block_tables, context_lens)
     library().pd_step_layers(
         h.data_ptr(), h.shape[0], layers, len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-        shape.intermediate, shape.eps, shape.scale, DTYPE_CODES[h.dtype], DTYPE_CODES[weight_dtype],
+        shape.intermediate, shape.eps, shape.scale, DTYPE_CODES[h.dtype], weight_code,
         positions.data_ptr(), cos_sin_cache.data_ptr(), slots.data_ptr(), DTYPE_CODES[kv_dtype], tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), block_size, _threads(),
     )

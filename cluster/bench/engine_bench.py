@@ -4,6 +4,8 @@ For each batch size B, the same B random prompts (input_len tokens, greedy, exac
 output_len new tokens) run through
   - the pdserve engine (prefill timed apart from decode steps),
   - transformers `generate` (when installed), prefill timed by a 1-token generate,
+  - llama.cpp on the same GGUF file and threads, batch 1 (--llama-cpp-python: the Python of
+    a venv with llama-cpp-python; cluster/bench/llama_cpp_baseline.py),
 and are compared with the memory-bandwidth roofline: one decode step must read every
 weight once, so time/step >= weight bytes / read bandwidth (measured here, now).
 In each of --rounds rounds every batch size and system runs in turn, and medians are
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cluster.bench.llama_cpp_baseline import LlamaCppBaseline
 from cluster.bench.plots import plot_engine_bench
 from cluster.bench.provenance import write_result
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -64,7 +67,7 @@ def measure_matmul_flops(rows: int, arch, dtype: torch.dtype, repeats: int = 5) 
 
 def layer_params(engine: Engine) -> int:
     """The layers' matmul weights (each multiplies every token once); the LM head apart."""
-    return sum(p.numel() for name, p in engine.loaded.model.named_parameters() if ".layers." in name and p.dim() == 2)
+    return sum(m.in_features * m.out_features for m in engine.loaded.model.model.layers.modules() if isinstance(m, Linear))
 
 
 def prefill_flops(engine: Engine, batch: int, input_len: int) -> float:
@@ -90,14 +93,18 @@ def decode_step_bound_ms(engine: Engine, batch: int, context: float, wbytes: int
 
 def weight_bytes(engine: Engine) -> int:
     """The weight bytes a decode step streams: every parameter once, a linear's as the copy
-    its C kernel reads where it has one (an fp32 model's compact copies are bf16). The
+    its C kernel reads where it has one (an fp32 model's compact copies are bf16, a
+    quantized weight's records are the file's bytes). The
     whole model's: tensor-parallel, rank 0's shard times the ranks, which read theirs at the
     same time from the same memory."""
     model = engine.loaded.model
     kernel_copies = {id(m.weight): m.kernel_weight.data for m in model.modules()
                      if isinstance(m, Linear) and m.kernel_weight is not None}
     read = [kernel_copies.get(id(p), p) for p in model.parameters()]
-    return sum(t.numel() * t.element_size() for t in read) * model.shard.size
+    # a weight kept quantized: its records (a tied table's once: the head reads it, the lookup a few rows)
+    records = {id(m.quantized_weight): m.quantized_weight.data for m in model.modules()
+               if isinstance(m, Linear) and m.quantized_weight is not None}
+    return sum(t.numel() * t.element_size() for t in [*read, *records.values()]) * model.shard.size
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -199,6 +206,7 @@ def run_engine_bench(args) -> int:
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            quantization=args.quantization,
             num_threads=args.threads,
             tensor_parallel_size=args.tensor_parallel_size,
             max_model_len=args.input_len + args.output_len + 16,
@@ -218,6 +226,7 @@ def run_engine_bench(args) -> int:
     results = {
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "kv_cache_dtype": engine.config.cache.dtype,
         "threads": torch.get_num_threads(),
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -231,22 +240,28 @@ def run_engine_bench(args) -> int:
         "runs": [],
     }
     hf_model = None if args.no_transformers else load_transformers(args.model, engine.loaded.dtype)
+    llama = (LlamaCppBaseline(args.llama_cpp_python, args.model, torch.get_num_threads(), args.input_len + args.output_len + 16)
+             if args.llama_cpp_python else None)
     # Within a round every batch size runs, and each system, in turn: machine noise hits them
     # alike, and a batch's step over the first batch's is a ratio of neighbouring runs.
     prompts = {b: random_prompts(b, args.input_len, vocab) for b in batch_sizes}
-    rounds: dict[int, dict[str, list[dict]]] = {b: {"pdserve": [], "transformers": []} for b in batch_sizes}
+    rounds: dict[int, dict[str, list[dict]]] = {b: {"pdserve": [], "transformers": [], "llama.cpp": []} for b in batch_sizes}
     for b in batch_sizes:
         # One untimed run of each first: the first time a shape runs, its activations
         # page-fault in and the GEMM libraries set up their kernels for it.
         bench_pdserve(engine, prompts[b], 2)
         if hf_model is not None:
             bench_transformers(hf_model, prompts[b], 2)
+        if llama is not None and b == 1:
+            llama.run(prompts[b][0], 2)
     with tqdm(total=len(batch_sizes) * args.rounds, desc="benchmark rounds", unit="batch") as bar:
         for _ in range(args.rounds):
             for b in batch_sizes:
                 rounds[b]["pdserve"].append(bench_pdserve(engine, prompts[b], args.output_len))
                 if hf_model is not None:
                     rounds[b]["transformers"].append(bench_transformers(hf_model, prompts[b], args.output_len))
+                if llama is not None and b == 1:  # batch 1 only: llama-cpp-python runs one sequence
+                    rounds[b]["llama.cpp"].append(llama.run(prompts[b][0], args.output_len))
                 bar.update()
     first = batch_sizes[0]
     for b in batch_sizes:
@@ -262,12 +277,14 @@ def run_engine_bench(args) -> int:
                 r["decode_step_ms_mean"] / r0["decode_step_ms_mean"] for r, r0 in pairs)
         results["runs"].append(run)
     engine.close()  # tensor parallel: the other ranks' processes
+    if llama is not None:
+        llama.close()
 
     print(f"\nCPU: {cpu_summary()}; CPU ops: {results['cpu_ops']}")
     print(f"weights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {roofline_ms:.1f} ms/step")
     print(f"{'batch':>5} {'system':>12} {'ms/step':>8} {'x roofline':>10} {'decode tok/s':>12} {'total tok/s':>11} {'prefill s':>9}")
     for run in results["runs"]:
-        for system in ("pdserve", "transformers"):
+        for system in ("pdserve", "transformers", "llama.cpp"):
             r = run.get(system)
             if not r:
                 continue
@@ -281,16 +298,22 @@ def run_engine_bench(args) -> int:
         if "step_over_first_batch" in run["pdserve"]:
             print(f"{'':>5} pdserve step is {run['pdserve']['step_over_first_batch']:.2f}x batch {first}'s "
                   f"(median of {args.rounds} rounds' ratios)")
-        if run.get("transformers"):
-            ratio = run["transformers"]["decode_step_ms_mean"] / run["pdserve"]["decode_step_ms_mean"]
-            print(f"{'':>5} pdserve decode is {ratio:.2f}x transformers")
+        for baseline in ("transformers", "llama.cpp"):
+            if run.get(baseline):  # the median of the rounds' ratios, each of two runs side by side
+                step = statistics.median(r["decode_step_ms_mean"] / r0["decode_step_ms_mean"]
+                                         for r, r0 in zip(rounds[run["batch_size"]]["pdserve"], rounds[run["batch_size"]][baseline]))
+                prefill = statistics.median(r0["prefill_s"] / r["prefill_s"]
+                                            for r, r0 in zip(rounds[run["batch_size"]]["pdserve"], rounds[run["batch_size"]][baseline]))
+                run["pdserve"][f"step_over_{baseline}"], run["pdserve"][f"prefill_speed_over_{baseline}"] = step, prefill
+                print(f"{'':>5} pdserve's decode step is {step:.2f}x {baseline}'s; its prefill {prefill:.2f}x as fast")
         gflops = run["pdserve"]["prefill_gflops"]
         print(f"{'':>5} pdserve prefill {gflops:.0f} GFLOP/s = {gflops / results['matmul_gflops']:.0%} of torch.matmul's "
               f"{results['matmul_gflops']:.0f} GFLOP/s ({args.dtype}, {results['threads']} threads)")
 
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"engine-{Path(args.model).name}-{args.dtype}" + (f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "")
+    stem = (f"engine-{Path(args.model).name}-{args.dtype}" + ("-dequantized" if args.quantization == "none" else "")
+            + (f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""))
     write_result(out_dir / f"{stem}.json", results)
     plot_engine_bench(results, out_dir / f"{stem}.png")
     print(f"wrote {out_dir / stem}.json and .png")

@@ -11,6 +11,7 @@ from cluster.config import (
     INGRESS_MODES,
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     RoutingConfig,
@@ -88,6 +89,12 @@ def add_kv_cache_dtype_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
 
 
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    """--quantization: of the engines a command starts, as pdserve serve's flag."""
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights read in their blocks; none: dequantized at load")
+
+
 def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     """How local_cluster builds a local target's engines."""
     p.add_argument("--local-model", help="model directory or .gguf file for local targets")
@@ -96,6 +103,7 @@ def add_local_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     add_kv_cache_dtype_flag(p)
+    add_quantization_flag(p)
     add_chunk_flag(p)
     p.add_argument("--max-step-slowdown", type=float, default=SchedulerConfig().max_step_slowdown,
                    help="of local engines (0: prompt chunks are not capped while requests decode)")
@@ -106,7 +114,7 @@ def local_engine_config(args, **fields) -> EngineConfig:
     """The engine of a local target's replica, or of the offline target, from the flags
     add_local_target_flags declares (`fields`: the EngineConfig fields they do not set)."""
     return EngineConfig(
-        model=args.local_model, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=args.local_model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
         cache=CacheConfig(memory_gib=args.kv_cache_gib, dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.chunk, max_step_slowdown=args.max_step_slowdown),
         **fields,

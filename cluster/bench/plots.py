@@ -86,7 +86,7 @@ def plot_compare(labels: tuple[str, str], metrics: dict[str, tuple[float, float]
 
 def plot_engine_bench(results: dict, path: Path) -> None:
     runs = results["runs"]
-    systems = [s for s in ("pdserve", "transformers") if any(r.get(s) for r in runs)]
+    systems = [s for s in ("pdserve", "transformers", "llama.cpp") if any(r.get(s) for r in runs)]
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.8 / len(systems)
     for i, system in enumerate(systems):
@@ -100,7 +100,8 @@ def plot_engine_bench(results: dict, path: Path) -> None:
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(runs))])
     ax.set_xticklabels([f"batch {r['batch_size']}" for r in runs])
     ax.set_ylabel("ms per decode step (lower is better)")
-    ax.set_title(f"{Path(results['model']).name} {results['dtype']}, {results['threads']} threads")
+    quantization = "" if results.get("quantization", "none") == "none" else f", quantization {results['quantization']}"
+    ax.set_title(f"{Path(results['model']).name} {results['dtype']}{quantization}, {results['threads']} threads")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -39,7 +39,7 @@ from cluster.kv.block_pool import BlockPool
 from cluster.kv.transport.packing import KVCaches
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch, resolve_max_model_len
-from cluster.model.loader import load_model, resolve_dtype
+from cluster.model.loader import load_model, serving_dtype
 from cluster.model.sharding import Shard, shard_of
 from cluster.model.tp_group import SINGLE
 from cluster.text.tokenizer import IncrementalDetokenizer, StopChecker
@@ -97,7 +97,7 @@ class Engine:
         checkpoint = open_checkpoint(config.model)
         # What every rank must agree on is decided here, before any other rank starts.
         arch = parse_arch(checkpoint.config())
-        dtype = resolve_dtype(config.dtype, arch.torch_dtype, config.device)
+        dtype = serving_dtype(config.dtype, checkpoint, config.device, config.quantization, config.tensor_parallel_size)
         shard = shard_of(arch, 0, config.tensor_parallel_size)  # ShardingError before any rank starts
         kv_dtype = kv_cache_dtype(config.cache, dtype)
         num_blocks = num_kv_blocks(config.cache, arch, shard, kv_dtype)
@@ -114,7 +114,7 @@ class Engine:
         self.ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
         try:
             group = self.ranks.group if self.ranks is not None else SINGLE
-            self.loaded = load_model(checkpoint, config.dtype, config.device, config.max_model_len, group)
+            self.loaded = load_model(checkpoint, config.dtype, config.device, config.max_model_len, group, config.quantization)
             if self.ranks is not None:
                 self.ranks.start()
         except BaseException:

@@ -69,7 +69,7 @@ class RankWorker:
             address, self.rank, config.tensor_parallel_size, config.device, config.tp_timeout_s,
             shared_memory=config.tp_shared_memory,
         )
-        loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, self.group)
+        loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, self.group, config.quantization)
         self.shard = loaded.model.shard
         self.runner = ModelRunner(loaded, config.cache.num_blocks, config.cache.block_size, config.device,
                                   kv_dtype=kv_cache_dtype(config.cache, loaded.dtype))

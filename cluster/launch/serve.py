@@ -33,7 +33,7 @@ from cluster.launch.redis_server import PrivateRedis
 from cluster.model.builtin import model_or_builtin
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch
-from cluster.model.loader import resolve_dtype
+from cluster.model.loader import serving_dtype
 from cluster.model.sharding import check_divisible, shard_of
 from router.auth import ENV_VAR, load_api_keys
 
@@ -79,9 +79,11 @@ def check_model(config: ClusterConfig, on_a_remote_cluster: bool) -> None:
     for size in sorted({t.tensor_parallel_size for t in tiers} - {1}):
         check_divisible(arch, size)
     if not on_a_remote_cluster and config.engine.device == "cpu":  # every replica's cache is on this host
-        dtype = kv_cache_dtype(config.engine.cache, resolve_dtype(config.engine.dtype, arch.torch_dtype, "cpu"))
+        def tier_kv_dtype(tier):  # a tier's engines' (quantized weights: float32 activations)
+            return kv_cache_dtype(config.engine.cache, serving_dtype(config.engine.dtype, checkpoint, "cpu",
+                                                                     config.engine.quantization, tier.tensor_parallel_size))
         total = sum(most_replicas(t) * t.tensor_parallel_size
-                    * rank_kv_cache_bytes(config.engine.cache, arch, shard_of(arch, 0, t.tensor_parallel_size), dtype)
+                    * rank_kv_cache_bytes(config.engine.cache, arch, shard_of(arch, 0, t.tensor_parallel_size), tier_kv_dtype(t))
                     for t in tiers)
         check_kv_cache_fits(total, "cpu", what="the KV caches of all replicas")
 

@@ -6,7 +6,9 @@
         .tokenizer()       the serving Tokenizer
         .tensors(select)   (Hugging Face parameter name, tensor), each read once, in file order;
                            `select(name)` -> (dim, start, stop) reads only that slice (a
-                           tensor-parallel rank's shard), None the whole tensor
+                           tensor-parallel rank's shard), None the whole tensor;
+                 (keep=...)  a 2-D tensor stored in one of the `keep` formats (GGUF's Q4_0,
+                           Q4_1, Q8_0) comes as a QuantizedTensor: its blocks as stored
 
 Everything above this module (the loader, the engine, the gateway's input processor)
 sees only this interface, so a new format is one new class here.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +36,16 @@ class ModelLoadError(RuntimeError):
 
 Slice = tuple[int, int, int]  # (dimension, start, stop)
 SliceSelector = Callable[[str], Slice | None]
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A 2-D tensor as a GGUF file stores it: each row of `shape[1]` values as the format's
+    blocks of 32 (rows: uint8 [shape[0], bytes per row]); kernels/quantized.py packs it."""
+
+    fmt: str  # "Q4_0", "Q4_1" or "Q8_0"
+    rows: torch.Tensor
+    shape: tuple[int, int]
 
 
 def read_json(path: Path) -> dict:
@@ -59,7 +72,12 @@ class Checkpoint:
     def num_tensors(self) -> int:
         raise NotImplementedError
 
-    def tensors(self, select: SliceSelector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantized_formats(self) -> frozenset[str]:
+        """The quantized formats its tensors are stored in (what `tensors(keep=...)` can keep)."""
+        return frozenset()
+
+    def tensors(self, select: SliceSelector | None = None,
+                keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         raise NotImplementedError
 
 
@@ -92,8 +110,9 @@ class HFCheckpoint(Checkpoint):
                 total += len(f.keys())
         return total
 
-    def tensors(self, select: SliceSelector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for path in _weight_files(self.path):
+    def tensors(self, select: SliceSelector | None = None,
+                keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in _weight_files(self.path):  # nothing here is stored quantized: `keep` has nothing to keep
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     part = select(name) if select else None

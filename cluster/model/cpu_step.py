@@ -50,7 +50,7 @@ def applies(model, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) 
     """Whether this step's layers can take `step_layers`: few enough rows for the C linear,
     prompt chunks with little enough context, one tensor-parallel rank (the residual add
     sits inside o_proj and down_proj, before any all-reduce could), and everything in
-    dtypes the kernels take."""
+    dtypes the kernels take, one weight dtype (or quantized format) in every layer's linears."""
     if model.group.is_parallel:
         return False
     if (sum(seq.query_len * seq.context_len for seq in meta.prefills) > MAX_PROMPT_ATTENTION_PAIRS
@@ -61,6 +61,7 @@ def applies(model, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) 
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if attn.q_norm else [])
     return (all(linear.takes_c_kernel(h) for linear in linears)
+            and model.uniform_linear_weights
             and all(linear.bias is None for linear in linears[1:])  # only qkv has a bias in any family
             and all(norm.weight.dtype == h.dtype for norm in norms)
             and cpu.usable(*kv_cache, attn.rotary.cos_sin_cache) and all(c.is_contiguous() for c in kv_cache))
@@ -100,7 +101,7 @@ class StepPlan:
         self.shape = cpu.DecoderShape(arch.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                       layers[0].mlp.down_proj.in_features, arch.rms_norm_eps, attn0.scale)
         self.table = (cpu.StepLayer * len(layers))()
-        self.weight_dtype = attn0.qkv_proj.c_kernel_weight().data.dtype  # every layer's (DecoderModel.fuse)
+        self.weight_code = attn0.qkv_proj.c_kernel_weight().code  # every layer's (CausalLM.uniform_linear_weights)
         for entry, layer, (k_cache, v_cache) in zip(self.table, layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm, entry.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
@@ -127,5 +128,5 @@ def step_layers(model, h: torch.Tensor, positions: torch.Tensor, kv_caches: list
         plan = model.cpu_step_plan = StepPlan(model, kv_caches, h.dtype)
     k_cache = kv_caches[0][0]
     tables, lens = row_attention(meta)
-    return cpu.step_layers(h, plan.table, plan.weight_dtype, plan.shape, positions, model.model.layers[0].self_attn.rotary.cos_sin_cache,
+    return cpu.step_layers(h, plan.table, plan.weight_code, plan.shape, positions, model.model.layers[0].self_attn.rotary.cos_sin_cache,
                            meta.slot_mapping, tables, lens, k_cache.dtype, k_cache.shape[1])

@@ -61,6 +61,7 @@ class CausalLM(nn.Module):
     """One tensor-parallel rank's part of the model (all of it when `group` has one rank)."""
 
     cpu_step_plan: cpu_step.StepPlan | None = None  # built by the first CPU step in one C call
+    uniform_linear_weights = True  # every layer's linears of one weight dtype or quantized format (set by fuse)
 
     def __init__(self, arch: ModelArch, max_positions: int, group: TensorParallelGroup = SINGLE):
         super().__init__()
@@ -73,9 +74,11 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Tied checkpoints have no lm_head tensor: the head reads the embedding matrix.
-        Called again after materialising from `meta`, which unties shared parameters."""
+        Called again after materialising from `meta`, which unties shared parameters, and
+        after loading, which may have kept the table quantized."""
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.quantized_weight = self.model.embed_tokens.quantized_weight
 
     def fuse(self) -> None:
         """After loading: merge projections, then pre-pack weights where that is faster."""
@@ -83,6 +86,8 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         pack_linears_for_cpu([module for module in self.modules() if isinstance(module, Linear)])
+        layer_linears = [m for layer in self.model.layers for m in layer.modules() if isinstance(m, Linear)]
+        self.uniform_linear_weights = len({_weight_kind(m) for m in layer_linears}) <= 1
 
     @torch.inference_mode()
     def forward(
@@ -105,3 +110,9 @@ class CausalLM(nn.Module):
         # h: [N, hidden] -> [N, vocab] fp32 (vocab-parallel: every rank's rows, gathered)
         logits = self.group.all_gather_last(self.lm_head(h).float())
         return logits[:, : self.arch.vocab_size] if self.group.is_parallel else logits
+
+
+def _weight_kind(linear: Linear) -> object:
+    """What the C step reads of a linear: its quantized format, or its weight's dtype (which
+    fixes the packed copy's: pack_linears_for_cpu packs all alike)."""
+    return linear.quantized_weight.fmt if linear.quantized_weight is not None else linear.weight.dtype

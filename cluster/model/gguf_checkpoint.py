@@ -3,7 +3,8 @@
     metadata   general.architecture + `<arch>.*` keys -> a Hugging Face config dict
     tokenizer  `tokenizer.*` keys -> cluster/model/gguf_tokenizer.py
     tensors    llama.cpp names -> Hugging Face names, dequantized (the `gguf` package's
-               numpy kernels) to float32; the loader casts to the serving dtype
+               numpy kernels) to float32, which the loader casts to the serving dtype; or,
+               in a format the caller keeps (`keep`), as stored (QuantizedTensor)
 
 llama.cpp's converter permutes the rows of q_proj and k_proj for its `llama` rope
 (adjacent pairs rotate together, where Hugging Face rotates the two halves of a head);
@@ -26,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from cluster.model.checkpoint import Checkpoint, ModelLoadError, Slice, SliceSelector
+from cluster.model.checkpoint import Checkpoint, ModelLoadError, QuantizedTensor, Slice, SliceSelector
 from cluster.model.gguf_reader import MappedGGUFReader
 from cluster.model.gguf_tokenizer import build_tokenizer, read_vocab
 from cluster.text.tokenizer import Tokenizer
@@ -179,10 +180,15 @@ class GGUFCheckpoint(Checkpoint):
         except Exception as e:  # noqa: BLE001 - GGUFTokenizerError, or tokenizers' plain Exception
             raise ModelLoadError(f"{self.path}: cannot rebuild its tokenizer: {e}") from None
 
+    def quantized_formats(self) -> frozenset[str]:
+        return frozenset(t.tensor_type.name for t in self._tensors.values()
+                         if t.tensor_type not in (Q.F32, Q.F16, Q.BF16))
+
     def num_tensors(self) -> int:
         return sum(1 for name in self._tensors if hf_name(name) is not None)
 
-    def tensors(self, select: SliceSelector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, select: SliceSelector | None = None,
+                keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         import torch  # noqa: PLC0415 - only here: the gateway reads a file's config and tokenizer without torch (~2.5 s)
 
         head_dim = self._config["head_dim"]
@@ -194,6 +200,9 @@ class GGUFCheckpoint(Checkpoint):
                 continue
             shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
             data, shape, rest = _raw_part(t, shape, select(target) if select else None)
+            if t.tensor_type.name in keep and len(shape) == 2 and rest is None:
+                yield target, self._stored(name, t, data, shape)
+                continue
             try:
                 values = dequantize(data, t.tensor_type)
             except Exception as e:  # noqa: BLE001 - data cut short or inconsistent with its header
@@ -208,6 +217,18 @@ class GGUFCheckpoint(Checkpoint):
             if self.arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
                 tensor = _unpermute(tensor, tensor.shape[0] // head_dim)  # whole heads, also in a rank's slice
             yield target, tensor
+
+
+    def _stored(self, name: str, t, data: np.ndarray, shape: tuple[int, ...]) -> QuantizedTensor:
+        import torch  # noqa: PLC0415 - as in tensors()
+
+        block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        if data.shape != (shape[0], shape[1] // block * block_bytes):
+            raise ModelLoadError(f"{self.path}: tensor {name} holds {data.shape} bytes, its header says {shape}")
+        rows = torch.from_numpy(np.array(data))  # a copy: the map is read-only, and closed with the file
+        if self.arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
+            rows = _unpermute(rows, shape[0] // self._config["head_dim"])  # rows move whole
+        return QuantizedTensor(t.tensor_type.name, rows.contiguous(), (shape[0], shape[1]))
 
 
 def _raw_part(t, shape: tuple[int, ...], part: Slice | None) -> tuple[np.ndarray, tuple[int, ...], Slice | None]:

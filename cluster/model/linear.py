@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.host.cpu_features import detect
-from kernels import cpu
+from kernels import cpu, quantized
 
 PACKED_MAX_ROWS = 256
 C_KERNEL_MAX_ROWS = 16
@@ -90,9 +90,25 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's
     kernel_weight: cpu.PackedWeight | None = None  # the C kernel's
     compact = False  # the C kernel's copy of an fp32 weight may be bf16 (cpu.pack_linear_weight)
+    # A GGUF weight kept in its blocks (kernels/quantized.py): then the only copy of the
+    # weight, and `weight` is empty (whatever reads it densely fails loudly, never silently).
+    quantized_weight: quantized.QuantizedWeight | None = None
+
+    def load_quantized(self, weight: quantized.QuantizedWeight) -> None:
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"a quantized weight of {weight.out_features} x {weight.in_features} "
+                             f"for a linear of {self.out_features} x {self.in_features}")
+        self.quantized_weight = weight
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense tensor (dequantized, float32, if it is kept quantized)."""
+        return self.weight if self.quantized_weight is None else quantized.dequantize(self.quantized_weight)
 
     def pack_for_cpu(self, compact: bool = False) -> None:
         """compact: the weight is fp32 and every value is a bf16 one (cpu.bf16_holds)."""
+        if self.quantized_weight is not None:
+            return  # read as it is: the C kernels' records are its only copy
         self.compact = compact
         if cpu.usable(self.weight):
             self.kernel_weight = cpu.pack_linear_weight(self.weight.detach(), compact=compact)
@@ -100,17 +116,23 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKED_MAX_ROWS)
 
     def takes_c_kernel(self, x: torch.Tensor) -> bool:
+        if self.quantized_weight is not None:  # at any row count: there is no dense weight for another path
+            return cpu.usable(x)
         return (self.kernel_weight is not None and x.shape[0] <= c_kernel_max_rows(x.dtype)
                 and x.dtype == self.weight.dtype and cpu.usable(x))
 
-    def c_kernel_weight(self) -> cpu.PackedWeight:
+    def c_kernel_weight(self) -> cpu.PackedWeight | quantized.QuantizedWeight:
         """The C kernel's weight, packed again if the kernels were rebuilt for another ISA."""
+        if self.quantized_weight is not None:
+            return self.quantized_weight
         if not self.kernel_weight.fits_library():
             self.kernel_weight = cpu.pack_linear_weight(self.weight.detach(), compact=self.compact)
         return self.kernel_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
+        if self.quantized_weight is not None:
+            return quantized.linear(x, self.quantized_weight, self.bias)
         if self.takes_c_kernel(x):
             return cpu.linear(x, self.c_kernel_weight(), self.bias)
         if self.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
@@ -122,17 +144,26 @@ def pack_linears_for_cpu(linears: list[Linear]) -> None:
     """Pre-pack a model's linears. An fp32 model whose every linear weight bf16 holds exactly
     (a bf16 checkpoint served in fp32) packs the C kernel's copies compact; all or none, as a
     step's layers take one weight dtype (cluster/model/cpu_step.py)."""
-    compact = all(cpu.usable(m.weight) and cpu.bf16_holds(m.weight) for m in linears)
+    dense = [m for m in linears if m.quantized_weight is None]
+    compact = bool(dense) and all(cpu.usable(m.weight) and cpu.bf16_holds(m.weight) for m in dense)
     for m in linears:
         m.pack_for_cpu(compact)
 
 
-def fuse_linears(*parts: nn.Linear) -> Linear:
-    """One Linear whose output is the concatenation of `parts`' outputs."""
-    weight = torch.cat([p.weight.data for p in parts], dim=0)
-    has_bias = parts[0].bias is not None
-    fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+def fuse_linears(*parts: Linear) -> Linear:
+    """One Linear whose output is the concatenation of `parts`' outputs. Quantized parts
+    stay quantized where their records join whole (one format, outputs in whole records);
+    otherwise they are dequantized into the dense fused weight."""
+    joined = quantized.concat([p.quantized_weight for p in parts])
+    dtype = parts[0].weight.dtype
+    if joined is None:
+        weight = torch.cat([p.dense_weight().data.to(dtype) for p in parts], dim=0)
+        out_features, in_features = weight.shape
+    else:
+        weight, out_features, in_features = torch.empty(0, dtype=dtype), joined.out_features, joined.in_features
+    fused = Linear(in_features, out_features, bias=parts[0].bias is not None, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
-    if has_bias:
+    fused.quantized_weight = joined
+    if parts[0].bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]), requires_grad=False)
     return fused

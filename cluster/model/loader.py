@@ -3,6 +3,11 @@
 The checkpoint is a Hugging Face directory or a GGUF file (cluster/model/checkpoint.py).
 Every parameter must be found in it and every tensor it holds must be used. The dtype
 follows from the device and, on CPU, from what the CPU can do (cluster/host/cpu_features.py).
+
+A GGUF file's Q4_0, Q4_1 and Q8_0 linears and embedding stay in their blocks on CPU
+(`quantization="auto"`, one rank, the C kernels built): the kernels read them as they are
+(kernels/quantized.py), and the activations are float32 unless --dtype says otherwise.
+`quantization="none"` dequantizes every tensor at load, to the serving dtype.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cluster.config import QUANTIZATIONS
 from cluster.host.cpu_features import compiler_isa_flags, detect
-from cluster.model.checkpoint import Checkpoint, ModelLoadError
+from cluster.model.checkpoint import Checkpoint, ModelLoadError, QuantizedTensor
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch, resolve_max_model_len
@@ -23,6 +29,7 @@ from cluster.model.rotary import RotaryEmbedding
 from cluster.model.sharding import VOCAB_TENSORS, tensor_slice
 from cluster.model.tp_group import SINGLE, TensorParallelGroup
 from kernels import cpu as cpu_kernels
+from kernels import quantized
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +37,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_dtype"]
+__all__ = ["LoadedModel", "ModelLoadError", "kept_formats", "load_model", "resolve_dtype", "serving_dtype"]
 
 
 @dataclass(frozen=True)
@@ -42,10 +49,13 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
-    """The serving dtype. `auto` on CPU: bfloat16 where the CPU computes it natively
-    (AVX-512-BF16 or AMX), else float32 (emulated bf16 is slower than fp32); on GPU the
-    checkpoint's half dtype, else bfloat16."""
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, quantized_weights: bool = False) -> torch.dtype:
+    """The serving dtype. `auto` on CPU: float32 with quantized weights (a step's cost is
+    reading their blocks, whatever the activations' dtype; float32 activations and residual
+    stream decide near-ties as the float32 reference does, where bf16 tipped the built-in
+    model's answers); otherwise bfloat16 where the CPU computes it natively (AVX-512-BF16 or
+    AMX), else float32 (emulated bf16 is slower than fp32); on GPU the checkpoint's half
+    dtype, else bfloat16."""
     cpu = detect()
     if requested != "auto":
         dtype = TORCH_DTYPES[requested]
@@ -55,6 +65,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> 
                 "bf16 kernels; --dtype float32 is faster here", cpu.describe()
             )
         return dtype
+    if device == "cpu" and quantized_weights:
+        log.info("dtype auto -> float32: the weights stay quantized, and float32 activations cost little beside them")
+        return torch.float32
     if device == "cpu":
         dtype = torch.bfloat16 if cpu.native_bf16 else torch.float32
         why = "native bf16 matmuls" if cpu.native_bf16 else "no native bf16, so float32 is the fastest exact choice"
@@ -64,22 +77,33 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> 
     return named if named in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def serving_dtype(requested: str, checkpoint: Checkpoint, device: str, quantization: str,
+                  tensor_parallel_size: int) -> torch.dtype:
+    """resolve_dtype for this checkpoint as load_model will load it (quantized or not)."""
+    quantized_weights = bool(kept_formats(checkpoint, quantization, device, tensor_parallel_size))
+    return resolve_dtype(requested, parse_arch(checkpoint.config()).torch_dtype, device, quantized_weights)
+
+
 def load_model(
     checkpoint: Checkpoint | str | Path,
     dtype: str = "auto",
     device: str = "cpu",
     max_model_len: int | None = None,
     group: TensorParallelGroup = SINGLE,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """The whole model, or with a tensor-parallel `group` this rank's shard of it (read
     from the checkpoint alone: other ranks' slices are never loaded)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = open_checkpoint(checkpoint)
     if device == "cpu":  # before fuse(): Linear packs its weight for the kernels of this build
         cpu_kernels.configure(compiler_isa_flags(detect()))
     config = checkpoint.config()
     arch = parse_arch(config)
-    torch_dtype = resolve_dtype(dtype, arch.torch_dtype, device)
+    keep = kept_formats(checkpoint, quantization, device, group.size)
+    torch_dtype = resolve_dtype(dtype, arch.torch_dtype, device, quantized_weights=bool(keep))
     max_len = resolve_max_model_len(max_model_len, arch)
 
     with torch.device("meta"):
@@ -89,12 +113,23 @@ def load_model(
     for module in model.modules():  # the fp32 rotary table is derived, not loaded
         if isinstance(module, RotaryEmbedding):
             module.rebuild()
-    _load_weights(model, checkpoint, arch)
+    _load_weights(model, checkpoint, arch, keep)
+    model.tie_weights()  # a kept table is the head's too
     model.fuse()
     model.eval().requires_grad_(False)
     if device == "cpu":  # built (or found cached) by now, not on the first request
         log.info("CPU ops: %s", cpu_kernels.describe())
     return LoadedModel(model, arch, torch_dtype, max_len, checkpoint.eos_token_ids())
+
+
+def kept_formats(checkpoint: Checkpoint, quantization: str, device: str, tensor_parallel_size: int) -> frozenset[str]:
+    """The quantized formats read as stored: those of the file's that the C kernels take,
+    on CPU, with one rank (a rank's shard is dequantized), and with the kernels built (the
+    torch fallback dequantizes a whole weight per call)."""
+    if quantization == "none" or device != "cpu" or tensor_parallel_size > 1:
+        return frozenset()
+    formats = checkpoint.quantized_formats() & frozenset(quantized.FORMATS)
+    return formats if formats and cpu_kernels.available() else frozenset()
 
 
 def _materialise(model: torch.nn.Module, device: str, dtype: torch.dtype) -> None:
@@ -110,20 +145,24 @@ def _materialise(model: torch.nn.Module, device: str, dtype: torch.dtype) -> Non
             setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
 
 
-def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch) -> None:
+def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch, keep: frozenset[str]) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
     shard = model.shard
     desc = f"Loading {checkpoint.path.name}" + (f" (rank {shard.rank} of {shard.size})" if shard.size > 1 else "")
     with tqdm(total=checkpoint.num_tensors(), desc=desc, unit="tensor", disable=None) as bar:
-        for name, tensor in checkpoint.tensors(lambda n: tensor_slice(n, arch, shard)):
+        for name, tensor in checkpoint.tensors(lambda n: tensor_slice(n, arch, shard), keep):
             bar.update()
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and arch.tie_word_embeddings):
                 continue
             param = params.get(name)
             if param is None:
                 unexpected.append(name)
+                continue
+            if isinstance(tensor, QuantizedTensor):
+                _load_quantized(model, name, tensor)
+                loaded.add(name)
                 continue
             rows = tensor.shape[0]
             # The last vocab-parallel shard may have fewer rows than the others: zero-padded.
@@ -142,3 +181,14 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch) -> N
             f"checkpoint does not match the architecture: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
+
+
+def _load_quantized(model: CausalLM, name: str, tensor: QuantizedTensor) -> None:
+    """A linear's or the embedding's weight, kept in its blocks (packed for the kernels)."""
+    module = model.get_submodule(name.removesuffix(".weight"))
+    if not hasattr(module, "load_quantized"):
+        raise ModelLoadError(f"{name}: stored {tensor.fmt}, and {type(module).__name__} cannot read it quantized")
+    try:
+        module.load_quantized(quantized.pack(tensor.rows, tensor.fmt, tensor.shape[1]))
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None

@@ -23,6 +23,7 @@ the same bits), and the library exports the pd_* functions alone.
                      vectors and the ISA switches (VLEN, HAVE_AMX), the row of RMSNorm,
                      SiLU-and-mul and rotary that the fused kernels share, pd_linear's prologues
   linear.c           pd_linear and its packed weights: register blocks, bf16 pairs, AMX tiles
+  quantized.c        the register block of pd_linear over GGUF's quantized records (Q4_0, Q4_1, Q8_0)
   capabilities.c     what the build multiplies bf16 with (pd_bf16_products, pd_amx_tiles)
   activation.c       pd_silu_and_mul
   norm.c             pd_rms_norm
@@ -35,6 +36,7 @@ the same bits), and the library exports the pd_* functions alone.
   step.c             pd_step_layers: a step's decoder layers in one call
 */
 #include "linear.c"
+#include "quantized.c"
 #include "capabilities.c"
 #include "activation.c"
 #include "norm.c"

@@ -22,7 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1 };
+/* Weight dtypes also: GGUF's quantized blocks (kernels/csrc/quantized.c), numbered as ggml numbers them. */
+enum { F32 = 0, BF16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+#define QUANTIZED(wdtype) ((wdtype) >= Q4_0)
 typedef uint16_t bf16_t;
 /* One SIMD register of floats: GCC lowers vectors wider than the ISA's badly, so match it. */
 #if defined(__AVX512F__)

@@ -51,7 +51,7 @@ static inline __attribute__((always_inline)) vecf splat(float x) {
 #define PAIRS(dtype) 0
 #endif
 #define WIDENED_PAIRS(dtype) (!PAIRS(dtype) && (dtype) == BF16)
-#define PACK_BLOCK(dtype) (PAIRS(dtype) ? 16 : VLEN)
+#define PACK_BLOCK(dtype) (PAIRS(dtype) || QUANTIZED(dtype) ? 16 : VLEN) /* quantized: QBLOCK_OUT */
 /* Input rows per register block: M accumulators x 2 output blocks must fit the registers. */
 #define PACK_ROWS (VLEN >= 16 ? 8 : 4)
 /* Output blocks per pass of the fp32-FMA kernels (packed_block, widened_block): with AVX2's 16
@@ -59,6 +59,15 @@ static inline __attribute__((always_inline)) vecf splat(float x) {
    their latency: AVX2, 1 thread, 8 rows, 576 x 1536, weights in cache: 67 GFLOP/s); with
    AVX-512's 32, 8 rows x 2 blocks already give 16. The bf16-pairs kernels take 2. */
 #define PACK_NO (VLEN >= 16 ? 2 : 3)
+/* Output blocks (of 16) per pass over quantized records: 8 rows x 2 vectors with AVX-512;
+   with AVX2, a block is 2 vectors already: 4 rows x 2, and the scales, mins and weights. */
+#define QUANTIZED_NO (VLEN >= 16 ? 2 : 1)
+
+/* Defined in quantized.c (included after this file). */
+static inline __attribute__((always_inline)) void quantized_block(const float *x, int64_t K, const uint8_t *wp, float *y,
+                                                                  int64_t y_stride, const int M, const int NB,
+                                                                  const int wdtype, const char *pf, int64_t pf_step);
+static int64_t quantized_record_bytes(int wdtype);
 
 /* The linear's weights come from memory (a step reads every layer's once; they are long gone
    from the caches by the next step), and the hardware prefetcher does not run far enough
@@ -353,7 +362,8 @@ static void linear_input_row(float *row, float *scratch, const void *x, int64_t 
    [O] or NULL, residual: [B, O] or NULL, y: [B, O] (dtype); norm_w: [K] (dtype) for
    LINEAR_RMS_NORM. wdtype is dtype, or bf16 for fp32 x where the bf16 layout has no pairs
    (pd_compact_weights): an fp32 model's weights that bf16 holds exactly, read at half the
-   bytes and widened in registers, so the products are the fp32 weights' own.
+   bytes and widened in registers, so the products are the fp32 weights' own;
+   or a quantized format (Q4_0, Q4_1, Q8_0: quantized.c's records), for x of either dtype.
    y = prologue(x) @ w.T + bias, then + residual: the linear's output is rounded to dtype
    before the residual is added, as torch's `h + linear(x)` rounds it.
    Each pass over 2 or 3 output blocks (PACK_NO; L2-sized) serves every group of PACK_ROWS
@@ -430,15 +440,19 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
         }
 #endif
         /* a block's weight bytes; the blocks of the next pass, shared among its row groups */
-        const int64_t block_k = packed_k(K, wdtype), block_bytes = n * block_k * (wdtype == BF16 ? 2 : 4);
-        const int64_t per_pass = pairs ? 2 : PACK_NO;
+        const int quantized = QUANTIZED(wdtype);
+        const int64_t block_k = packed_k(K, wdtype);
+        const int64_t block_bytes = quantized ? K / 32 * quantized_record_bytes(wdtype) : n * block_k * (wdtype == BF16 ? 2 : 4);
+        const int64_t per_pass = pairs ? 2 : quantized ? QUANTIZED_NO : PACK_NO;
         const int64_t groups = (B + PACK_ROWS - 1) / PACK_ROWS, passes = (blocks + per_pass - 1) / per_pass;
-        const int64_t steps = wdtype == BF16 ? block_k / 2 : K, pf_step = (per_pass * block_bytes / groups + steps - 1) / steps;
+        /* the k steps a block's loop takes (prefetching a share at each) */
+        const int64_t steps = quantized ? K / 32 : wdtype == BF16 ? block_k / 2 : K;
+        const int64_t pf_step = (per_pass * block_bytes / groups + steps - 1) / steps;
         const int64_t last = amx ? 0 : passes;
         /* This thread's passes [mine, mine + LINEAR_CLAIM_PASSES), and its next claim, made now
            where its weights are to be prefetched (otherwise `last`, and the claim is made when
            due: a thread that loses its core then holds up no passes but those it computes). */
-        const int ahead = B >= PREFETCH_MIN_ROWS || (wdtype == BF16 && !pairs);
+        const int ahead = B >= PREFETCH_MIN_ROWS || (wdtype == BF16 && !pairs) || quantized;
         for (int64_t mine = claim_passes(&claimed), after = ahead ? claim_passes(&claimed) : last; mine < last;
              mine = ahead ? after : claim_passes(&claimed), after = ahead ? claim_passes(&claimed) : last)
         for (int64_t pass = mine, end = mine + LINEAR_CLAIM_PASSES < last ? mine + LINEAR_CLAIM_PASSES : last; pass < end;
@@ -463,8 +477,19 @@ void pd_linear(const void *x, int prologue, const void *norm_w, float eps, const
                 }
 #endif
                 const float *xb = (const float *)xc + m0 * K;
-                const void *wb = at(wp, ob * block_k * VLEN, wdtype);
                 float *yb = yf + m0 * OP + ob * n;
+                if (quantized) {
+                    const uint8_t *wq = (const uint8_t *)wp + ob * block_bytes;
+                    /* the format constant in each call, as the rows and blocks are */
+#define CALL_QF(M, F) (no == 2 ? quantized_block(xb, K, wq, yb, OP, M, 2, F, pf, pf_step) \
+                               : quantized_block(xb, K, wq, yb, OP, M, 1, F, pf, pf_step))
+#define CALL_Q(M) (wdtype == Q8_0 ? CALL_QF(M, Q8_0) : wdtype == Q4_1 ? CALL_QF(M, Q4_1) : CALL_QF(M, Q4_0))
+                    PACK_CASES(CALL_Q)
+#undef CALL_Q
+#undef CALL_QF
+                    continue;
+                }
+                const void *wb = at(wp, ob * block_k * VLEN, wdtype);
                 /* constant rows and blocks in each call: no branch is left in the loop */
 #define CALL_F32(M) (no == 3   ? packed_block(xb, K, wb, yb, OP, M, PACK_NO, pf, pf_step) \
                      : no == 2 ? packed_block(xb, K, wb, yb, OP, M, 2, pf, pf_step)       \

@@ -25,6 +25,7 @@ from cluster.model.builtin import builtin_model_path
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.gguf_checkpoint import SUPPORTED_TYPES
 from cluster.model.gguf_reader import MappedGGUFReader
+from cluster.model.linear import Linear
 from cluster.testing.gguf_export import export_gguf
 from cluster.testing.random_checkpoint import make_model, training_corpus
 from cluster.text.tokenizer import Tokenizer
@@ -75,6 +76,22 @@ def test_builtin_smollm2_matches_transformers(smollm2):
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, ids)
     assert "Paris" in outs[0].text
+
+
+def test_builtin_smollm2_is_read_in_its_blocks_at_the_files_size(smollm2):
+    """By default its Q4_1 linears and Q8_0 table (the tied head) stay in their blocks, the
+    activations in float32; nothing else is resident but the file's float32 norms."""
+    path = smollm2[0]
+    engine = Engine.from_pretrained(str(path), max_model_len=256, cache=CacheConfig(num_blocks=16))
+    model = engine.loaded.model
+    assert engine.loaded.dtype == torch.float32
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert {m.quantized_weight.fmt for m in linears} == {"Q4_1", "Q8_0"}
+    assert model.lm_head.quantized_weight is model.model.embed_tokens.quantized_weight
+    resident = sum(p.nbytes for p in model.parameters()) + sum({id(m.quantized_weight): m.quantized_weight.nbytes
+                                                                 for m in linears}.values())
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert resident <= 1.01 * file_bytes, (resident, file_bytes)
 
 
 def test_the_mapped_reader_reads_what_gguf_reads():
@@ -130,11 +147,15 @@ def test_every_tensor_type_matches_transformers(tmp_path, families, weight_type)
     path = export_gguf(families["llama"], tmp_path / f"llama-{weight_type}.gguf", weight_type, pre="llama-bpe")
     engine = Engine.from_pretrained(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
     hf = hf_gguf_model(path)
-    ours = dict(engine.loaded.model.named_parameters())
-    # Same dequantized values (q/k un-permuted) as transformers before any fusing ...
+    model = engine.loaded.model
+    # Same dequantized values (q/k un-permuted) as transformers before any fusing (Q4_0, Q4_1
+    # and Q8_0 kept in their blocks: dequantized from the kernels' records) ...
     theirs = hf.state_dict()
-    assert torch.equal(ours["model.layers.0.mlp.down_proj.weight"], theirs["model.layers.0.mlp.down_proj.weight"])
-    assert torch.equal(ours["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"])
+    assert torch.equal(model.get_submodule("model.layers.0.mlp.down_proj").dense_weight(),
+                       theirs["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(model.model.embed_tokens.dense_weight(), theirs["model.embed_tokens.weight"])
+    kept = weight_type in ("Q4_0", "Q4_1", "Q8_0")
+    assert (model.model.embed_tokens.quantized_weight is not None) == kept
     # ... and the same tokens.
     ids = engine.tokenizer.encode(PROMPTS[0])
     assert engine.generate([ids], GREEDY)[0].token_ids == hf_greedy(hf, ids)
