@@ -92,7 +92,8 @@ def add_kv_cache_dtype_flag(p: argparse.ArgumentParser) -> None:
 def add_quantization_flag(p: argparse.ArgumentParser) -> None:
     """--quantization: of the engines a command starts, as pdserve serve's flag."""
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                   help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights read in their blocks; none: dequantized at load")
+                   help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights read in their blocks; q8_0, q4_0: every other "
+                   "linear quantized at load too; none: dequantized at load")
 
 
 def add_local_target_flags(p: argparse.ArgumentParser) -> None:

@@ -42,7 +42,8 @@ SERVE_FLAGS = (
          "the model id clients send (default: the model's directory or file name; smollm2-135m-instruct for the built-in model)"),
     Flag("--dtype", ("engine.dtype",), "auto: by device and CPU capabilities (float32 with quantized weights)", DTYPES),
     Flag("--quantization", ("engine.quantization",), "auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights are read in their "
-         "blocks by the CPU kernels; none: dequantized at load", QUANTIZATIONS),
+         "blocks by the CPU kernels; q8_0, q4_0: every other linear and embedding weight quantized at load too; none: "
+         "dequantized at load", QUANTIZATIONS),
     Flag("--max-model-len", ("engine.max_model_len",), "prompt + output tokens per request (default: the model's)"),
     Flag("--enforce-eager", ("engine.enforce_eager",), "GPU: decode steps run eagerly, without CUDA graphs"),
     Flag("--kv-cache-gib", ("engine.cache.memory_gib",), "KV cache per replica"),

@@ -7,16 +7,20 @@ follows from the device and, on CPU, from what the CPU can do (cluster/host/cpu_
 A GGUF file's Q4_0, Q4_1 and Q8_0 linears and embedding stay in their blocks on CPU
 (`quantization="auto"`, one rank, the C kernels built): the kernels read them as they are
 (kernels/quantized.py), and the activations are float32 unless --dtype says otherwise.
-`quantization="none"` dequantizes every tensor at load, to the serving dtype.
+`quantization="q8_0"` or `"q4_0"` also quantizes every other linear and embedding weight
+(a Hugging Face checkpoint's, a GGUF file's K-quants) at load, with gguf's own quantizer;
+`"none"` dequantizes every tensor at load, to the serving dtype.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 from tqdm import tqdm
 
 from cluster.config import QUANTIZATIONS
@@ -37,7 +41,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # Tensors some checkpoints carry that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-__all__ = ["LoadedModel", "ModelLoadError", "kept_formats", "load_model", "resolve_dtype", "serving_dtype"]
+__all__ = ["LoadedModel", "ModelLoadError", "QuantizedLoad", "load_model", "quantized_load", "resolve_dtype", "serving_dtype"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, qua
 def serving_dtype(requested: str, checkpoint: Checkpoint, device: str, quantization: str,
                   tensor_parallel_size: int) -> torch.dtype:
     """resolve_dtype for this checkpoint as load_model will load it (quantized or not)."""
-    quantized_weights = bool(kept_formats(checkpoint, quantization, device, tensor_parallel_size))
+    quantized_weights = bool(quantized_load(checkpoint, quantization, device, tensor_parallel_size))
     return resolve_dtype(requested, parse_arch(checkpoint.config()).torch_dtype, device, quantized_weights)
 
 
@@ -102,8 +106,8 @@ def load_model(
         cpu_kernels.configure(compiler_isa_flags(detect()))
     config = checkpoint.config()
     arch = parse_arch(config)
-    keep = kept_formats(checkpoint, quantization, device, group.size)
-    torch_dtype = resolve_dtype(dtype, arch.torch_dtype, device, quantized_weights=bool(keep))
+    plan = quantized_load(checkpoint, quantization, device, group.size)
+    torch_dtype = resolve_dtype(dtype, arch.torch_dtype, device, quantized_weights=bool(plan))
     max_len = resolve_max_model_len(max_model_len, arch)
 
     with torch.device("meta"):
@@ -113,7 +117,7 @@ def load_model(
     for module in model.modules():  # the fp32 rotary table is derived, not loaded
         if isinstance(module, RotaryEmbedding):
             module.rebuild()
-    _load_weights(model, checkpoint, arch, keep)
+    _load_weights(model, checkpoint, arch, plan)
     model.tie_weights()  # a kept table is the head's too
     model.fuse()
     model.eval().requires_grad_(False)
@@ -122,14 +126,34 @@ def load_model(
     return LoadedModel(model, arch, torch_dtype, max_len, checkpoint.eos_token_ids())
 
 
-def kept_formats(checkpoint: Checkpoint, quantization: str, device: str, tensor_parallel_size: int) -> frozenset[str]:
-    """The quantized formats read as stored: those of the file's that the C kernels take,
-    on CPU, with one rank (a rank's shard is dequantized), and with the kernels built (the
-    torch fallback dequantizes a whole weight per call)."""
-    if quantization == "none" or device != "cpu" or tensor_parallel_size > 1:
-        return frozenset()
-    formats = checkpoint.quantized_formats() & frozenset(quantized.FORMATS)
-    return formats if formats and cpu_kernels.available() else frozenset()
+@dataclass(frozen=True)
+class QuantizedLoad:
+    """What the loader keeps quantized: the stored formats it hands over as they are (GGUF
+    blocks the kernels read), and the format it quantizes every other linear and embedding
+    weight to (None: it dequantizes them)."""
+
+    keep: frozenset[str] = field(default_factory=frozenset)
+    quantize_to: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.keep) or self.quantize_to is not None
+
+
+def quantized_load(checkpoint: Checkpoint, quantization: str, device: str, tensor_parallel_size: int) -> QuantizedLoad:
+    """Quantized weights are read by the C kernels: on CPU, with one rank (a rank's shard is
+    dequantized), and with the kernels built (the torch fallback dequantizes a whole weight
+    per call). `auto` keeps what it can and asks for nothing; q8_0 and q4_0 are asked for,
+    and fail in one line where they cannot be had."""
+    if quantization == "none":
+        return QuantizedLoad()
+    usable = device == "cpu" and tensor_parallel_size == 1 and cpu_kernels.available()
+    stored = checkpoint.quantized_formats() & frozenset(quantized.FORMATS)
+    if quantization == "auto":
+        return QuantizedLoad(stored) if usable and stored else QuantizedLoad()
+    if not usable:
+        raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels and one rank: tensor-parallel shards "
+                             "and GPUs read dequantized weights")
+    return QuantizedLoad(stored, quantization.upper())
 
 
 def _materialise(model: torch.nn.Module, device: str, dtype: torch.dtype) -> None:
@@ -145,14 +169,14 @@ def _materialise(model: torch.nn.Module, device: str, dtype: torch.dtype) -> Non
             setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
 
 
-def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch, keep: frozenset[str]) -> None:
+def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch, plan: QuantizedLoad) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
     shard = model.shard
     desc = f"Loading {checkpoint.path.name}" + (f" (rank {shard.rank} of {shard.size})" if shard.size > 1 else "")
     with tqdm(total=checkpoint.num_tensors(), desc=desc, unit="tensor", disable=None) as bar:
-        for name, tensor in checkpoint.tensors(lambda n: tensor_slice(n, arch, shard), keep):
+        for name, tensor in checkpoint.tensors(lambda n: tensor_slice(n, arch, shard), plan.keep):
             bar.update()
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and arch.tie_word_embeddings):
                 continue
@@ -160,6 +184,8 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch, keep
             if param is None:
                 unexpected.append(name)
                 continue
+            if plan.quantize_to and not isinstance(tensor, QuantizedTensor) and _quantizable(model, name, tensor):
+                tensor = _quantized(tensor, plan.quantize_to)
             if isinstance(tensor, QuantizedTensor):
                 _load_quantized(model, name, tensor)
                 loaded.add(name)
@@ -181,6 +207,18 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch, keep
             f"checkpoint does not match the architecture: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
+
+
+def _quantizable(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
+    """A linear's or an embedding's weight, its rows whole blocks of 32."""
+    owner = model.get_submodule(name.rpartition(".")[0])
+    return name.endswith(".weight") and hasattr(owner, "load_quantized") and tensor.dim() == 2 and tensor.shape[1] % 32 == 0
+
+
+def _quantized(tensor: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """`tensor` in GGUF's `fmt` blocks, by gguf's own quantizer (llama.cpp's rounding)."""
+    rows = gguf_quantize(tensor.float().numpy(), GGMLQuantizationType[fmt])
+    return QuantizedTensor(fmt, torch.from_numpy(rows), (tensor.shape[0], tensor.shape[1]))
 
 
 def _load_quantized(model: CausalLM, name: str, tensor: QuantizedTensor) -> None:

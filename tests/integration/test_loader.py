@@ -147,3 +147,45 @@ def test_shape_mismatch_is_reported(copy_of):
 def test_context_beyond_the_model_is_refused(tiny_models):
     with pytest.raises(ModelLoadError, match="max_position_embeddings"):
         load_model(tiny_models["qwen2"], max_model_len=10**6)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_a_hugging_face_checkpoint_quantized_at_load_computes_with_its_blocks(tiny_models, fmt):
+    """--quantization q8_0 / q4_0: every linear and the embedding quantized by gguf's own
+    quantizer (the blocks are exactly its round trip), float32 activations, and the model's
+    logits those of the dense model up to the quantization's error."""
+    from gguf import GGMLQuantizationType  # noqa: PLC0415 - as the loader uses it
+    from gguf.quants import dequantize as gguf_dequantize  # noqa: PLC0415
+    from gguf.quants import quantize as gguf_quantize  # noqa: PLC0415
+
+    from kernels import quantized  # noqa: PLC0415
+
+    dense = load_model(tiny_models["qwen2"], dtype="float32", quantization="none").model
+    loaded = load_model(tiny_models["qwen2"], quantization=fmt)
+    model = loaded.model
+    assert loaded.dtype == torch.float32
+    down, dense_down = model.get_submodule("model.layers.0.mlp.down_proj"), dense.get_submodule("model.layers.0.mlp.down_proj")
+    qtype = GGMLQuantizationType[fmt.upper()]
+    round_trip = gguf_dequantize(gguf_quantize(dense_down.weight.numpy(), qtype), qtype)
+    assert down.quantized_weight.fmt == fmt.upper() and down.weight.numel() == 0
+    assert torch.equal(quantized.dequantize(down.quantized_weight), torch.from_numpy(round_trip))
+    assert all(m.quantized_weight is not None for m in model.modules() if isinstance(m, Linear))
+    engine = Engine.from_pretrained(str(tiny_models["qwen2"]), quantization=fmt, cache=CacheConfig(num_blocks=32))
+    reference = Engine.from_pretrained(str(tiny_models["qwen2"]), dtype="float32", quantization="none",
+                                       cache=CacheConfig(num_blocks=32))
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    prompt = list(range(3, 40))
+    ours, theirs = (dict(e.generate([prompt], params)[0].logprobs[0].top) for e in (engine, reference))
+    common = set(ours) & set(theirs)
+    assert common, (ours, theirs)  # the top tokens overlap, at nearly the dense model's log-probabilities
+    assert max(abs(ours[t] - theirs[t]) for t in common) < (0.05 if fmt == "q8_0" else 0.5), (ours, theirs)
+
+
+def test_quantizing_where_the_kernels_cannot_read_it_is_refused_in_one_line(tiny_models):
+    from cluster.model.checkpoints import open_checkpoint  # noqa: PLC0415
+    from cluster.model.loader import quantized_load  # noqa: PLC0415
+
+    checkpoint = open_checkpoint(tiny_models["qwen2"])
+    with pytest.raises(ModelLoadError, match="needs the CPU kernels and one rank"):
+        quantized_load(checkpoint, "q8_0", "cpu", 2)
+    assert not quantized_load(checkpoint, "auto", "cpu", 1)  # nothing stored quantized, nothing asked for
