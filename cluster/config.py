@@ -10,7 +10,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # auto: a GGUF file's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks where the CPU kernels read
-# them (one rank); none: every tensor is dequantized at load; q8_0, q4_0: those kept, and every
+# them (a TP rank its shard's); none: every tensor is dequantized at load; q8_0, q4_0: those kept, and every
 # other linear and embedding weight quantized to that format at load (cluster/model/loader.py)
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")

@@ -58,16 +58,18 @@ def gguf_row_bytes(fmt: str, in_features: int) -> int:
     return in_features // GROUP * _GGUF_BLOCK_BYTES[fmt]
 
 
-def pack(rows: torch.Tensor, fmt: str, in_features: int) -> QuantizedWeight:
-    """rows: a GGUF tensor's stored bytes, uint8 [O, in_features / 32 * block bytes]."""
+def pack(rows: torch.Tensor, fmt: str, in_features: int, out_features: int | None = None) -> QuantizedWeight:
+    """rows: a GGUF tensor's stored bytes, uint8 [O, in_features / 32 * block bytes];
+    out_features: more than O pads the weight with zero outputs (a last vocab shard)."""
     if fmt not in FORMATS:
         raise ValueError(f"quantized format {fmt!r} has no kernel; supported: {', '.join(FORMATS)}")
     if in_features % GROUP or rows.shape[1] != gguf_row_bytes(fmt, in_features):
         raise ValueError(f"{fmt} rows of {rows.shape[1]} bytes do not hold {in_features} values")
-    out_features, groups = rows.shape[0], in_features // GROUP
+    stored, groups = rows.shape[0], in_features // GROUP
+    out_features = max(out_features or stored, stored)
     padded = -(-out_features // RECORD_OUTPUTS) * RECORD_OUTPUTS
-    blocks = torch.zeros(padded, groups, _GGUF_BLOCK_BYTES[fmt], dtype=torch.uint8)
-    blocks[:out_features] = rows.reshape(out_features, groups, -1)
+    blocks = torch.zeros(padded, groups, _GGUF_BLOCK_BYTES[fmt], dtype=torch.uint8)  # zero scales: zero weights
+    blocks[:stored] = rows.reshape(stored, groups, -1)
     header = _HEADER_BYTES[fmt]
     # [O/16, 16 o, G, bytes] -> [O/16, G, bytes, 16 o]: each byte position's 16 outputs together
     by_output = blocks.reshape(padded // RECORD_OUTPUTS, RECORD_OUTPUTS, groups, -1).permute(0, 2, 3, 1)

@@ -97,7 +97,7 @@ class Engine:
         checkpoint = open_checkpoint(config.model)
         # What every rank must agree on is decided here, before any other rank starts.
         arch = parse_arch(checkpoint.config())
-        dtype = serving_dtype(config.dtype, checkpoint, config.device, config.quantization, config.tensor_parallel_size)
+        dtype = serving_dtype(config.dtype, checkpoint, config.device, config.quantization)
         shard = shard_of(arch, 0, config.tensor_parallel_size)  # ShardingError before any rank starts
         kv_dtype = kv_cache_dtype(config.cache, dtype)
         num_blocks = num_kv_blocks(config.cache, arch, shard, kv_dtype)

@@ -79,11 +79,9 @@ def check_model(config: ClusterConfig, on_a_remote_cluster: bool) -> None:
     for size in sorted({t.tensor_parallel_size for t in tiers} - {1}):
         check_divisible(arch, size)
     if not on_a_remote_cluster and config.engine.device == "cpu":  # every replica's cache is on this host
-        def tier_kv_dtype(tier):  # a tier's engines' (quantized weights: float32 activations)
-            return kv_cache_dtype(config.engine.cache, serving_dtype(config.engine.dtype, checkpoint, "cpu",
-                                                                     config.engine.quantization, tier.tensor_parallel_size))
+        dtype = kv_cache_dtype(config.engine.cache, serving_dtype(config.engine.dtype, checkpoint, "cpu", config.engine.quantization))
         total = sum(most_replicas(t) * t.tensor_parallel_size
-                    * rank_kv_cache_bytes(config.engine.cache, arch, shard_of(arch, 0, t.tensor_parallel_size), tier_kv_dtype(t))
+                    * rank_kv_cache_bytes(config.engine.cache, arch, shard_of(arch, 0, t.tensor_parallel_size), dtype)
                     for t in tiers)
         check_kv_cache_fits(total, "cpu", what="the KV caches of all replicas")
 

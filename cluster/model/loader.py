@@ -5,7 +5,7 @@ Every parameter must be found in it and every tensor it holds must be used. The 
 follows from the device and, on CPU, from what the CPU can do (cluster/host/cpu_features.py).
 
 A GGUF file's Q4_0, Q4_1 and Q8_0 linears and embedding stay in their blocks on CPU
-(`quantization="auto"`, one rank, the C kernels built): the kernels read them as they are
+(`quantization="auto"`, the C kernels built; a TP rank its shard's): the kernels read them as they are
 (kernels/quantized.py), and the activations are float32 unless --dtype says otherwise.
 `quantization="q8_0"` or `"q4_0"` also quantizes every other linear and embedding weight
 (a Hugging Face checkpoint's, a GGUF file's K-quants) at load, with gguf's own quantizer;
@@ -29,6 +29,7 @@ from cluster.model.checkpoint import Checkpoint, ModelLoadError, QuantizedTensor
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch, resolve_max_model_len
+from cluster.model.linear import Linear
 from cluster.model.rotary import RotaryEmbedding
 from cluster.model.sharding import VOCAB_TENSORS, tensor_slice
 from cluster.model.tp_group import SINGLE, TensorParallelGroup
@@ -81,10 +82,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, qua
     return named if named in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def serving_dtype(requested: str, checkpoint: Checkpoint, device: str, quantization: str,
-                  tensor_parallel_size: int) -> torch.dtype:
+def serving_dtype(requested: str, checkpoint: Checkpoint, device: str, quantization: str) -> torch.dtype:
     """resolve_dtype for this checkpoint as load_model will load it (quantized or not)."""
-    quantized_weights = bool(quantized_load(checkpoint, quantization, device, tensor_parallel_size))
+    quantized_weights = bool(quantized_load(checkpoint, quantization, device))
     return resolve_dtype(requested, parse_arch(checkpoint.config()).torch_dtype, device, quantized_weights)
 
 
@@ -106,7 +106,7 @@ def load_model(
         cpu_kernels.configure(compiler_isa_flags(detect()))
     config = checkpoint.config()
     arch = parse_arch(config)
-    plan = quantized_load(checkpoint, quantization, device, group.size)
+    plan = quantized_load(checkpoint, quantization, device)
     torch_dtype = resolve_dtype(dtype, arch.torch_dtype, device, quantized_weights=bool(plan))
     max_len = resolve_max_model_len(max_model_len, arch)
 
@@ -139,20 +139,22 @@ class QuantizedLoad:
         return bool(self.keep) or self.quantize_to is not None
 
 
-def quantized_load(checkpoint: Checkpoint, quantization: str, device: str, tensor_parallel_size: int) -> QuantizedLoad:
-    """Quantized weights are read by the C kernels: on CPU, with one rank (a rank's shard is
-    dequantized), and with the kernels built (the torch fallback dequantizes a whole weight
-    per call). `auto` keeps what it can and asks for nothing; q8_0 and q4_0 are asked for,
-    and fail in one line where they cannot be had."""
+def quantized_load(checkpoint: Checkpoint, quantization: str, device: str) -> QuantizedLoad:
+    """Quantized weights are read by the C kernels: on CPU, with the kernels built (the torch
+    fallback dequantizes a whole weight per call). A tensor-parallel rank keeps its shard's
+    blocks where the shard is cut on block boundaries (rows, or columns in whole blocks of
+    32: `tensors(select, keep)`), else reads that tensor dequantized. `auto` keeps what it can
+    and asks for nothing; q8_0 and q4_0 are asked for, and fail in one line where they
+    cannot be had."""
     if quantization == "none":
         return QuantizedLoad()
-    usable = device == "cpu" and tensor_parallel_size == 1 and cpu_kernels.available()
+    usable = device == "cpu" and cpu_kernels.available()
     stored = checkpoint.quantized_formats() & frozenset(quantized.FORMATS)
     if quantization == "auto":
         return QuantizedLoad(stored) if usable and stored else QuantizedLoad()
     if not usable:
-        raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels and one rank: tensor-parallel shards "
-                             "and GPUs read dequantized weights")
+        raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels (GPUs, and CPUs without a C compiler, "
+                             "read dequantized weights)")
     return QuantizedLoad(stored, quantization.upper())
 
 
@@ -226,7 +228,9 @@ def _load_quantized(model: CausalLM, name: str, tensor: QuantizedTensor) -> None
     module = model.get_submodule(name.removesuffix(".weight"))
     if not hasattr(module, "load_quantized"):
         raise ModelLoadError(f"{name}: stored {tensor.fmt}, and {type(module).__name__} cannot read it quantized")
+    # the last vocab-parallel shard may have fewer rows than the others: zero blocks pad it
+    rows = module.out_features if isinstance(module, Linear) else module.num_embeddings
     try:
-        module.load_quantized(quantized.pack(tensor.rows, tensor.fmt, tensor.shape[1]))
+        module.load_quantized(quantized.pack(tensor.rows, tensor.fmt, tensor.shape[1], rows if name in VOCAB_TENSORS else None))
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None

@@ -181,11 +181,20 @@ def test_a_hugging_face_checkpoint_quantized_at_load_computes_with_its_blocks(ti
     assert max(abs(ours[t] - theirs[t]) for t in common) < (0.05 if fmt == "q8_0" else 0.5), (ours, theirs)
 
 
-def test_quantizing_where_the_kernels_cannot_read_it_is_refused_in_one_line(tiny_models):
+def test_quantizing_where_the_kernels_cannot_read_it_is_refused_in_one_line(tiny_models, monkeypatch):
     from cluster.model.checkpoints import open_checkpoint  # noqa: PLC0415
     from cluster.model.loader import quantized_load  # noqa: PLC0415
 
     checkpoint = open_checkpoint(tiny_models["qwen2"])
-    with pytest.raises(ModelLoadError, match="needs the CPU kernels and one rank"):
-        quantized_load(checkpoint, "q8_0", "cpu", 2)
-    assert not quantized_load(checkpoint, "auto", "cpu", 1)  # nothing stored quantized, nothing asked for
+    assert quantized_load(checkpoint, "q8_0", "cpu").quantize_to == "Q8_0"
+    assert not quantized_load(checkpoint, "auto", "cpu")  # nothing stored quantized, nothing asked for
+    with pytest.raises(ModelLoadError, match="needs the CPU kernels"):
+        quantized_load(checkpoint, "q8_0", "cuda")
+    monkeypatch.setenv(cpu.SWITCH_ENV, "0")
+    cpu.reload()
+    try:
+        with pytest.raises(ModelLoadError, match="needs the CPU kernels"):
+            quantized_load(checkpoint, "q4_0", "cpu")
+    finally:
+        monkeypatch.delenv(cpu.SWITCH_ENV)
+        cpu.reload()

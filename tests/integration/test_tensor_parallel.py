@@ -15,6 +15,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.host import local_ray
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.families import parse_arch
+from cluster.model.linear import Linear
 from cluster.model.sharding import shard_of, tensor_slice
 from cluster.testing.gguf_export import export_gguf
 from tests.conftest import TINY_VARIANTS
@@ -67,6 +68,21 @@ def test_tp2_generates_the_tokens_of_tp1(ray_local, tiny_models, variant, shared
         ranks = engine.rank_info()
         assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
         assert {r["collectives"] for r in ranks} == {"shared memory" if shared_memory else "gloo"}
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == reference
+    finally:
+        engine.close()
+
+
+def test_tp2_reads_its_shards_quantized_and_generates_the_tokens_of_tp1(ray_local, tiny_models, tmp_path):
+    """A GGUF file's Q4_1 weights stay in their blocks on every rank: q/k/v, gate/up and the
+    vocab shards cut by rows, o_proj and down_proj by whole blocks of their inputs."""
+    model = str(export_gguf(tiny_models["llama"], tmp_path / "m-Q4_1.gguf", "Q4_1"))
+    reference = [c.token_ids for c in Engine.from_pretrained(model, num_threads=1).generate(PROMPTS, GREEDY)]
+    engine = Engine.from_pretrained(model, num_threads=1, tensor_parallel_size=2)
+    try:
+        linears = [m for m in engine.loaded.model.modules() if isinstance(m, Linear)]  # rank 0's, in this process
+        assert {m.quantized_weight.fmt for m in linears} == {"Q4_1"}
+        assert engine.loaded.dtype == torch.float32
         assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == reference
     finally:
         engine.close()
