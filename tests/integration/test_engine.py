@@ -211,7 +211,7 @@ def test_a_burst_of_one_prefix_computes_it_once_and_changes_no_token(tiny_llama)
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
     assert [tokens[i] for i in ids] == alone
-    token_ids = [engine.inputs.process(p, greedy) for p in prompts]
+    token_ids = [engine.inputs.process(p, greedy).prompt_token_ids for p in prompts]
     shared = next(n for n in range(len(token_ids[0])) if len({tuple(t[: n + 1]) for t in token_ids}) > 1)
     assert shared >= 40  # the test means something: a prefix of whole blocks
     assert engine.scheduler.prefix_hit_tokens == 2 * (shared // 8 * 8)  # the 2nd and 3rd each hit it
