@@ -12,9 +12,10 @@
    each record is the file's bytes for those outputs and k, rearranged (the same size: resident
    weights are the file's tensor bytes). The layout is the same on every ISA (16 outputs are
    1, 2 or 4 vectors), so a library rebuilt for another ISA never repacks.
-   Each weight is dequantized in registers to fp32 (one FMA: scale q + min, rounded once, as
-   gguf's reference dequantizes it) and multiplied with fp32 rows: the products are the
-   dequantized weight's own, only the order of the sums differs from the reference's. */
+   Each weight is dequantized in registers to fp32 (one FMA, scale q + min) and multiplied
+   with fp32 rows. Q4_0's and Q8_0's weights are gguf's reference values exactly (one rounding
+   each); Q4_1's differ from them by at most an ulp (the reference rounds the product, then
+   the sum); beyond that only the order of the sums differs from the reference's. */
 #define QBLOCK_OUT 16
 #define QGROUP 32
 #define QVECS (QBLOCK_OUT / VLEN) /* vectors per record's row of outputs */
