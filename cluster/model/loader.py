@@ -55,10 +55,10 @@ class LoadedModel:
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, quantized_weights: bool = False) -> torch.dtype:
-    """The serving dtype. `auto` on CPU: float32 with quantized weights (a step's cost is
-    reading their blocks, whatever the activations' dtype; float32 activations and residual
+    """The serving dtype. `auto` on CPU: float32 with quantized weights (the kernel multiplies
+    them in float32 whatever the activations' dtype, and float32 activations and residual
     stream decide near-ties as the float32 reference does, where bf16 tipped the built-in
-    model's answers); otherwise bfloat16 where the CPU computes it natively (AVX-512-BF16 or
+    model's answers; prefill and big batches pay float32's FMAs: docs/benchmarks.md); otherwise bfloat16 where the CPU computes it natively (AVX-512-BF16 or
     AMX), else float32 (emulated bf16 is slower than fp32); on GPU the checkpoint's half
     dtype, else bfloat16."""
     cpu = detect()
@@ -71,7 +71,8 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, qua
             )
         return dtype
     if device == "cpu" and quantized_weights:
-        log.info("dtype auto -> float32: the weights stay quantized, and float32 activations cost little beside them")
+        log.info("dtype auto -> float32: the weights stay quantized, and their kernel multiplies in float32 (answers as "
+                 "the float32 reference)")
         return torch.float32
     if device == "cpu":
         dtype = torch.bfloat16 if cpu.native_bf16 else torch.float32
