@@ -58,9 +58,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, qua
     """The serving dtype. `auto` on CPU: float32 with quantized weights (the kernel multiplies
     them in float32 whatever the activations' dtype, and float32 activations and residual
     stream decide near-ties as the float32 reference does, where bf16 tipped the built-in
-    model's answers; prefill and big batches pay float32's FMAs: docs/benchmarks.md); otherwise bfloat16 where the CPU computes it natively (AVX-512-BF16 or
-    AMX), else float32 (emulated bf16 is slower than fp32); on GPU the checkpoint's half
-    dtype, else bfloat16."""
+    model's answers; prefill and big batches pay float32's FMAs: docs/benchmarks.md);
+    otherwise bfloat16 where the CPU computes it natively (AVX-512-BF16 or AMX), else float32
+    (emulated bf16 is slower than fp32); on GPU the checkpoint's half dtype, else bfloat16."""
     cpu = detect()
     if requested != "auto":
         dtype = TORCH_DTYPES[requested]
