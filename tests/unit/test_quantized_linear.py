@@ -143,3 +143,11 @@ def test_fused_projections_stay_quantized_or_become_dense_but_compute_the_same()
         assert (fused.quantized_weight is not None) == stays
         expected = x @ torch.cat([reference for _, reference in parts]).T
         torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_python_packs_the_records_the_c_kernel_reads(isa, fmt):
+    """One layout, two homes (kernels/quantized.py packs, quantized.c reads): their record sizes agree."""
+    rows, _ = _gguf_rows(fmt, 16, 64)
+    weight = quantized.pack(rows, fmt, 64)
+    assert weight.data.shape[2] == quantized.record_bytes(fmt) == cpu.library().pd_quantized_record_bytes(quantized.FORMATS[fmt])
