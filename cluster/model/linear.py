@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.host.cpu_features import detect
+from cluster.model.quantized_holder import HoldsQuantizedWeight
 from kernels import cpu, quantized
 
 PACKED_MAX_ROWS = 256
@@ -86,24 +87,13 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-class Linear(nn.Linear):
+class Linear(HoldsQuantizedWeight, nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's
     kernel_weight: cpu.PackedWeight | None = None  # the C kernel's
     compact = False  # the C kernel's copy of an fp32 weight may be bf16 (cpu.pack_linear_weight)
-    # A GGUF weight kept in its blocks (kernels/quantized.py): then the only copy of the
-    # weight, and `weight` is empty (whatever reads it densely fails loudly, never silently).
-    quantized_weight: quantized.QuantizedWeight | None = None
 
-    def load_quantized(self, weight: quantized.QuantizedWeight) -> None:
-        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
-            raise ValueError(f"a quantized weight of {weight.out_features} x {weight.in_features} "
-                             f"for a linear of {self.out_features} x {self.in_features}")
-        self.quantized_weight = weight
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-
-    def dense_weight(self) -> torch.Tensor:
-        """The weight as a dense tensor (dequantized, float32, if it is kept quantized)."""
-        return self.weight if self.quantized_weight is None else quantized.dequantize(self.quantized_weight)
+    def dense_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def pack_for_cpu(self, compact: bool = False) -> None:
         """compact: the weight is fp32 and every value is a bf16 one (cpu.bf16_holds)."""

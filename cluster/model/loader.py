@@ -29,7 +29,7 @@ from cluster.model.checkpoint import Checkpoint, ModelLoadError, QuantizedTensor
 from cluster.model.checkpoints import open_checkpoint
 from cluster.model.decoder import CausalLM
 from cluster.model.families import ModelArch, parse_arch, resolve_max_model_len
-from cluster.model.linear import Linear
+from cluster.model.quantized_holder import HoldsQuantizedWeight
 from cluster.model.rotary import RotaryEmbedding
 from cluster.model.sharding import VOCAB_TENSORS, tensor_slice
 from cluster.model.tp_group import SINGLE, TensorParallelGroup
@@ -215,7 +215,7 @@ def _load_weights(model: CausalLM, checkpoint: Checkpoint, arch: ModelArch, plan
 def _quantizable(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
     """A linear's or an embedding's weight, its rows whole blocks of 32."""
     owner = model.get_submodule(name.rpartition(".")[0])
-    return name.endswith(".weight") and hasattr(owner, "load_quantized") and tensor.dim() == 2 and tensor.shape[1] % 32 == 0
+    return name.endswith(".weight") and isinstance(owner, HoldsQuantizedWeight) and tensor.dim() == 2 and tensor.shape[1] % 32 == 0
 
 
 def _quantized(tensor: torch.Tensor, fmt: str) -> QuantizedTensor:
@@ -227,10 +227,10 @@ def _quantized(tensor: torch.Tensor, fmt: str) -> QuantizedTensor:
 def _load_quantized(model: CausalLM, name: str, tensor: QuantizedTensor) -> None:
     """A linear's or the embedding's weight, kept in its blocks (packed for the kernels)."""
     module = model.get_submodule(name.removesuffix(".weight"))
-    if not hasattr(module, "load_quantized"):
+    if not isinstance(module, HoldsQuantizedWeight):
         raise ModelLoadError(f"{name}: stored {tensor.fmt}, and {type(module).__name__} cannot read it quantized")
     # the last vocab-parallel shard may have fewer rows than the others: zero blocks pad it
-    rows = module.out_features if isinstance(module, Linear) else module.num_embeddings
+    rows = module.dense_shape()[0]
     try:
         module.load_quantized(quantized.pack(tensor.rows, tensor.fmt, tensor.shape[1], rows if name in VOCAB_TENSORS else None))
     except ValueError as e:
