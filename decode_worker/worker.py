@@ -112,6 +112,7 @@ class DecodeWorker(EngineWorker):
         try:
             # Inside the try: a cancellation while reserving still aborts (the inbox keeps
             # the reserve-then-abort order on the engine thread).
+            await self.engine.prepare(req.request)
             _, block_ids, num_cached = await self._reserve(req)
             result = await self._prefill(req, block_ids, num_cached, receive)
             if result is None:  # no prefill worker computed it: this one does, in the reserved blocks

@@ -14,6 +14,7 @@ from contextlib import aclosing
 from cluster.engine.input_processor import TokenizedRequest
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.structured_outputs import StructuredOutputs
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.admission import RequestLimits
@@ -51,9 +52,23 @@ def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            structured=structured_output(msg.structured) if msg.HasField("structured") else None,
         )
     except InvalidRequestError as e:
         raise BadRequest(str(e), param=e.param) from None
+
+
+def structured_output(msg: pb.StructuredOutput) -> StructuredOutputs:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured names no constraint", "structured")
+    if kind == "json_schema":
+        return StructuredOutputs.json_schema(msg.json_schema)
+    if kind == "json_object":
+        return StructuredOutputs("json_object")
+    if kind == "choice":
+        return StructuredOutputs("choice", choices=tuple(msg.choice.choices))
+    return StructuredOutputs(kind, spec=getattr(msg, kind))
 
 
 def response(request_id: str, out: RequestOutput) -> pb.GenerateResponse:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from cluster.engine.input_processor import TokenizedRequest
 from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.structured_outputs import StructuredOutputs
 from cluster.errors import InvalidRequestError
 from cluster.text.tokenizer import ChatTemplateError
 from router import protocol as p
@@ -189,6 +190,7 @@ class OpenAIServing:
 
     def _params(self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+        structured = structured_outputs_of(req)
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else 16,
@@ -205,6 +207,7 @@ class OpenAIServing:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                structured=structured,
             )
         except InvalidRequestError as e:
             raise BadRequest(str(e), param=e.param) from None
@@ -316,6 +319,46 @@ class OpenAIServing:
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+def structured_outputs_of(req: p.CompletionRequest | p.ChatCompletionRequest) -> StructuredOutputs | None:
+    """The one constraint `response_format` (OpenAI) or `structured_outputs` (vLLM) asks
+    for, validated (a 400 naming the field if its grammar cannot be compiled); None if neither."""
+    asked: list[tuple[str, StructuredOutputs]] = []
+    fmt = req.response_format
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutputs("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_
+            spec = StructuredOutputs("json_object") if schema is None else StructuredOutputs.json_schema(schema)
+            asked.append(("response_format", spec))
+        so = req.structured_outputs
+        if so is not None:
+            for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar)):
+                if value is None:
+                    continue
+                param = f"structured_outputs.{name}"
+                if name == "json":
+                    asked.append((param, StructuredOutputs.json_schema(value)))
+                elif name == "choice":
+                    asked.append((param, StructuredOutputs("choice", choices=tuple(value))))
+                else:
+                    asked.append((param, StructuredOutputs(name, spec=value)))
+            if so.json_object:
+                asked.append(("structured_outputs.json_object", StructuredOutputs("json_object")))
+    except InvalidRequestError as e:
+        raise BadRequest(str(e), param="structured_outputs" if fmt is None else "response_format") from None
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise BadRequest(f"at most one output constraint per request; got {', '.join(name for name, _ in asked)}", param=asked[1][0])
+    param, spec = asked[0]
+    try:
+        spec.validate()
+    except InvalidRequestError as e:
+        raise BadRequest(str(e), param=param) from None
+    return spec
 
 
 def _prompt_list(prompt) -> list[str | list[int]]:

@@ -25,6 +25,39 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema", description="a JSON schema; none: any JSON object")
+    strict: bool | None = None
+
+
+class ResponseFormatJsonSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")]
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs`: exactly one of these constrains the output."""
+
+    json_: dict | bool | str | None = Field(None, alias="json", description="a JSON schema")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+
+
 class _SamplingRequest(_Request):
     """Fields that completions and chat share (OpenAI's names, plus vLLM's extensions)."""
 
@@ -45,6 +78,8 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = Field(None, description="vLLM extension")
 
 
 class CompletionRequest(_SamplingRequest):

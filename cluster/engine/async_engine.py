@@ -110,11 +110,18 @@ class AsyncEngine:
         """Run a request made at the edge (InputProcessor.process) and stream its deltas
         until it finishes (and, with stream_kv, its KV progress: Engine.add)."""
         self._check_alive()
+        await self.prepare(request)
         request_id = request_id or f"async-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._post(_Add(request_id, request, hold_kv, tuple(generated), stream_kv, sink))
         async for item in self._drain(request_id, sink):
             yield item
+
+    async def prepare(self, request: TokenizedRequest) -> None:
+        """Compile the request's grammar, if it has one the engine has not compiled yet, on a
+        thread of its own: the engine thread only copies it (other requests keep stepping)."""
+        if request.params.structured is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, request.params.structured)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread, between steps, and return its result."""

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.engine.grammar import Constraint, GrammarCompiler, allowed_tokens, bitmask_words
 from cluster.engine.input_processor import InputProcessor, Prompt, TokenizedRequest
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.outputs import RequestOutput, TokenLogprob
@@ -82,6 +83,7 @@ class _OutputState:
     text: str = ""  # detokenized output (uncut)
     emitted: int = 0  # characters of `text` already sent
     stream_kv: bool = False  # report its prompt's KV progress (RequestOutput.kv_progress)
+    constraint: Constraint | None = None  # its grammar, advanced with every output token
 
 
 class Engine:
@@ -139,6 +141,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, config.device,
                                   decode_graphs=config.scheduler.max_num_seqs if graphs else 0, kv_dtype=kv_dtype)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.arch.vocab_size, self.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
         self.finish_counts: Counter[str] = Counter()  # finished requests by finish reason
         self._ids = itertools.count()
@@ -198,6 +201,7 @@ class Engine:
             request,
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             StopChecker(params.stop),
+            constraint=self.grammars.constraint(params.structured) if params.structured is not None else None,
         )
         self._replay(state, generated)
         self._outputs[request_id] = state
@@ -207,13 +211,19 @@ class Engine:
     def _replay(state: _OutputState, generated: Sequence[int]) -> None:
         """Bring a resumed request's detokenizer and stop checker to where the worker that
         streamed `generated` left them (token by token, as it ran), so that text held back
-        there (a partial stop string, an unfinished character) is neither lost nor repeated."""
+        there (a partial stop string, an unfinished character) is neither lost nor repeated;
+        its grammar is advanced past them, never sampled again."""
         for token in generated:
             state.text += state.detokenizer.step([token])
             outcome = state.stops.process(state.text, state.emitted, False)
             if outcome.stopped:
                 raise InvalidRequestError("the generated tokens already end the request (a stop string)")
             state.text, state.emitted = outcome.text, outcome.emitted
+            if state.constraint is not None:
+                if not state.constraint.advance([token]):
+                    raise InvalidRequestError(f"the generated tokens break the request's {state.constraint.spec.kind} constraint")
+                if state.constraint.done:
+                    raise InvalidRequestError("the generated tokens already end the request (its grammar is complete)")
 
     # ---- disaggregation: KV computed on another worker ------------------------------
     def block_table(self, request_id: str) -> list[int]:
@@ -245,7 +255,11 @@ class Engine:
         """The token the prefill worker sampled, for a request reserved with
         add_remote_request whose KV is still arriving: its delta (text, stop strings,
         finish) now, so the client gets it before the transfer ends. If it ends the request,
-        the blocks stay held until `abort`/`release`, after the receive is over."""
+        the blocks stay held until `abort`/`release`, after the receive is over. A token the
+        request's grammar refuses is an InvalidRequestError (the request is not changed)."""
+        state = self._outputs.get(request_id)
+        if state is not None and state.constraint is not None and not state.constraint.accepts(token_id):
+            raise InvalidRequestError(f"the prefill worker's token {token_id} breaks the request's {state.constraint.spec.kind} constraint")
         update = self.scheduler.accept_remote_token(request_id, token_id)
         if update is None:
             return None
@@ -292,7 +306,7 @@ class Engine:
             return []
         start = time.perf_counter()
         request_ids, logits = self.runner.execute(sched)
-        rows = [self._sample_input(rid) for rid in request_ids]
+        rows = self._sample_inputs(request_ids)
         sampled = dict(zip(request_ids, self.sampler(logits, rows)))
         num_decode = sum(1 for c in sched.chunks if len(c.token_ids) == 1 and c.sample)
         seconds = time.perf_counter() - start
@@ -317,9 +331,23 @@ class Engine:
                 ))
         return progress
 
-    def _sample_input(self, request_id: str) -> SampleInput:
-        r = self._outputs[request_id].request
-        return SampleInput(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r), self._banned(r))
+    def _sample_inputs(self, request_ids: list[str]) -> list[SampleInput]:
+        """The step's rows to sample; a constrained row carries its grammar's allowed tokens
+        (all such rows' masks filled, then unpacked at once; other rows cost nothing)."""
+        states = [self._outputs[rid] for rid in request_ids]
+        rows = [
+            SampleInput(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
+                        self._generator(s.request), self._banned(s.request))
+            for s in states
+        ]
+        constrained = [i for i, s in enumerate(states) if s.constraint is not None]
+        if constrained:
+            bitmask = torch.empty((len(constrained), bitmask_words(self.grammars.vocab_size)), dtype=torch.int32)
+            for j, i in enumerate(constrained):
+                states[i].constraint.fill(bitmask[j])
+            for i, allowed in zip(constrained, allowed_tokens(bitmask, self.grammars.vocab_size)):
+                rows[i].allowed = allowed
+        return rows
 
     def _banned(self, request: Request) -> tuple[int, ...]:
         """Before min_tokens, stop tokens cannot be sampled (vLLM's min_tokens)."""
@@ -347,6 +375,8 @@ class Engine:
         text_ids = new_ids[:-1] if stopped_by_token else new_ids
         state.text += state.detokenizer.step(text_ids)
         finished = status.is_finished
+        if state.constraint is not None and not finished:
+            finished = self._advance_grammar(state, new_ids)
         if finished:
             state.text += state.detokenizer.flush()
         outcome = state.stops.process(state.text, state.emitted, finished)
@@ -360,6 +390,20 @@ class Engine:
         if finished:
             del self._outputs[request_id]
         return self._delta(state, new_ids, outcome.delta, logprobs)
+
+    def _advance_grammar(self, state: _OutputState, new_ids: list[int]) -> bool:
+        """Advance the request's grammar past its new tokens; True if that ends the request:
+        the grammar is complete (a stop), or it refused a token it had allowed (an abort,
+        which cannot happen unless the library errs: never an unconstrained continuation)."""
+        request_id = state.request.request_id
+        if not state.constraint.advance(new_ids):
+            log.error("request %s: its grammar refused a token it allowed (%s); aborting it", request_id, state.constraint.error)
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            return True
+        if state.constraint.done:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
 
     def _delta(self, state: _OutputState, new_ids: list[int], new_text: str, logprobs=None) -> RequestOutput:
         r = state.request

@@ -54,6 +54,9 @@ class SampleInput:
     generator: torch.Generator | None = None
     # Tokens this row must not produce now (eos and stop tokens before min_tokens, as vLLM).
     banned_token_ids: Sequence[int] = ()
+    # The only tokens a constrained row may produce ([vocab] bool; None: any). Where the
+    # grammar allows nothing but banned tokens (its end, before min_tokens), it wins.
+    allowed: torch.Tensor | None = None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -173,13 +176,27 @@ class Sampler:
             raw = raw.contiguous()
         device = raw.device
 
-        # (2) penalties -> `work` (== raw when no row uses any); banned tokens -> -inf
+        # (2) penalties -> `work` (== raw when no row uses any); tokens a grammar refuses and
+        # banned tokens -> -inf
         work = self._apply_penalties(raw, rows)
+        constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+        if constrained:
+            work = work.clone() if work is raw else work
+            refused = ~torch.stack([rows[i].allowed for i in constrained]).to(device)
+            if len(constrained) == n:
+                work.masked_fill_(refused, float("-inf"))
+            else:
+                idx = torch.tensor(constrained, device=device)
+                work.index_copy_(0, idx, work.index_select(0, idx).masked_fill_(refused, float("-inf")))
         banned = [(i, r.banned_token_ids) for i, r in enumerate(rows) if r.banned_token_ids]
         if banned:
             work = work.clone() if work is raw else work
             for i, ids in banned:
-                work[i, torch.tensor(ids, dtype=torch.long, device=device)] = float("-inf")
+                ids = torch.tensor(sorted(set(ids)), dtype=torch.long, device=device)
+                allowed = rows[i].allowed
+                if allowed is not None and int(allowed.sum()) == int(allowed[ids.cpu()].sum()):
+                    continue  # the grammar allows only banned tokens: it wins
+                work[i, ids] = float("-inf")
 
         tokens = torch.empty(n, dtype=torch.long, device=device)
         greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from cluster.engine.structured_outputs import StructuredOutputs
 from cluster.errors import InvalidRequestError
 
 
@@ -82,6 +83,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # what the output must match (a grammar)
 
     def __post_init__(self) -> None:
         # Normalise list inputs so params stay hashable and immutable.
@@ -120,3 +122,8 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+        if self.structured is not None:
+            try:
+                self.structured.validate()
+            except InvalidRequestError as e:
+                raise InvalidRequestError(str(e), "response_format") from None
