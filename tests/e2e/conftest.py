@@ -6,7 +6,8 @@ one cluster per module on it: a private redis-server, 1 prefill + 1 decode worke
 gateway, with an API key, deleted when the module ends. `redeploy(gateway=...)` swaps the gateway's limits;
 the workers keep running (their arguments do not change, so Serve keeps them);
 `redeploy(engine=...)` restarts them on another checkpoint (same tokenizer), and
-`redeploy(prefill_tp=..., decode_tp=...)` on that many tensor-parallel ranks per replica.
+`redeploy(prefill_tp=..., decode_tp=...)` on that many tensor-parallel ranks per replica,
+and `redeploy(colocated=True)` without a prefill tier.
 """
 
 import dataclasses
@@ -57,6 +58,7 @@ class LiveCluster:
         engine: EngineConfig | None = None,
         prefill_tp: int = 1,
         decode_tp: int = 1,
+        colocated: bool = False,
     ):
         config = ClusterConfig(
             engine=engine or self.engine_config,
@@ -67,6 +69,7 @@ class LiveCluster:
             redis_url=redis_url or self.redis.url,
             gateway=gateway,
             routing=routing,
+            colocated=colocated,
         )
         self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         return self.handle
