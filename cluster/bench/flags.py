@@ -48,6 +48,8 @@ def add_serve_flags(p) -> None:
                    help="pdserve: this fraction of the requests share the first prefix (skew); the rest cycle through all")
     p.add_argument("--interference-rate", type=float, default=0.0,
                    help="pdserve: also send long prompts at this rate (req/s) while the workload runs; not measured")
+    p.add_argument("--json-schema", metavar="PATH",
+                   help="pdserve: every request asks for output matching this JSON schema (response_format json_schema)")
     p.add_argument("--interference-input-len", type=int, default=1536)
     p.add_argument("--interference-output-len", type=int, default=2)
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")

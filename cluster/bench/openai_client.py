@@ -38,9 +38,11 @@ async def send(
     session: aiohttp.ClientSession, endpoint: str, model: str, prompt: str | list[dict], max_tokens: int, ignore_eos: bool,
     prompt_len: int,
     abort_after: int | None = None,
+    response_format: dict | None = None,
 ) -> RequestResult:
     """`abort_after`: disconnect after that many streamed chunks (0: as soon as the
-    response starts, while the prompt is still being computed)."""
+    response starts, while the prompt is still being computed). `response_format`: OpenAI's,
+    sent as given."""
     chat = endpoint.endswith("/chat/completions")
     body = {
         "model": model,
@@ -50,6 +52,8 @@ async def send(
         "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,
     }
+    if response_format is not None:
+        body["response_format"] = response_format
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     else:  # completions take text; a conversation is sent as its concatenated turns

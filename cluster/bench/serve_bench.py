@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import re
 import time
 from datetime import datetime
@@ -59,6 +60,10 @@ async def _run(
     called as the first request goes (after the warm-ups)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    response_format = None
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            response_format = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.load(f), "strict": True}}
     results: list[RequestResult] = []
     arrivals: list[float] = []
     multi_turn = args.dataset_name == "multi_turn"
@@ -77,7 +82,7 @@ async def _run(
 
         async def one(prompt, prompt_len: int, output_len: int, abort: int | None = None) -> RequestResult:
             async with gate or contextlib.nullcontext():
-                r = await send(client, args.endpoint, model, prompt, output_len, args.ignore_eos, prompt_len, abort)
+                r = await send(client, args.endpoint, model, prompt, output_len, args.ignore_eos, prompt_len, abort, response_format)
             results.append(r)
             bar.update(1)
             return r

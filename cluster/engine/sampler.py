@@ -181,13 +181,14 @@ class Sampler:
         work = self._apply_penalties(raw, rows)
         constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
         if constrained:
-            work = work.clone() if work is raw else work
-            refused = ~torch.stack([rows[i].allowed for i in constrained]).to(device)
-            if len(constrained) == n:
-                work.masked_fill_(refused, float("-inf"))
+            allowed = torch.stack([rows[i].allowed for i in constrained]).to(device)
+            minus_inf = torch.tensor(float("-inf"), device=device)
+            if len(constrained) == n:  # a new tensor in one pass: no clone of raw first
+                work = torch.where(allowed, work, minus_inf)
             else:
+                work = work.clone() if work is raw else work
                 idx = torch.tensor(constrained, device=device)
-                work.index_copy_(0, idx, work.index_select(0, idx).masked_fill_(refused, float("-inf")))
+                work.index_copy_(0, idx, torch.where(allowed, work.index_select(0, idx), minus_inf))
         banned = [(i, r.banned_token_ids) for i, r in enumerate(rows) if r.banned_token_ids]
         if banned:
             work = work.clone() if work is raw else work

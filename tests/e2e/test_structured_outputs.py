@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import signal
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 import grpc
@@ -33,7 +33,7 @@ MAX_TOKENS = 200
 Short = Field(max_length=40)
 
 
-class Color(str, Enum):
+class Color(StrEnum):
     red = "red"
     green = "green"
     blue = "blue"
