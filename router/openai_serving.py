@@ -31,6 +31,7 @@ from router import protocol as p
 from router.admission import RequestLimits
 from router.errors import BadRequest, NotFound, Unavailable, from_exception
 from router.router import Router
+from router.tool_calls import ToolCallParser, ToolPlan, plan_tools, template_messages
 
 
 @dataclass
@@ -74,6 +75,8 @@ class OpenAIServing:
         self.limits = limits
         self.model_name = model_name
         self.tokenizer = router.inputs.tokenizer
+        # A template that reads `tools` renders tools, calls and results itself (router/tool_calls.py).
+        self.template_reads_tools = "tools" in (self.tokenizer.chat_template or "")
         self.max_model_len = router.inputs.max_model_len
         self.created = int(time.time())
 
@@ -136,23 +139,25 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        self._params(req, req.max_completion_tokens or req.max_tokens or 1, logprobs)  # the parameters' errors, now
+        tools = plan_tools(req)
+        calls_grammar = tools.constraint() if tools is not None else None
+        self._params(req, req.max_completion_tokens or req.max_tokens or 1, logprobs, calls_grammar)  # the parameters' errors, now
         self.limits.check_size(1, req.n)
-        messages = [_message_dict(m) for m in req.messages]
+        messages, template_vars = template_messages(req.messages, tools, self.template_reads_tools)
 
         def jobs() -> list[_Job]:
             try:
-                prompt_ids = self.tokenizer.encode_chat(messages)
+                prompt_ids = self.tokenizer.encode_chat(messages, **template_vars)
             except (ChatTemplateError, ValueError) as e:
                 raise BadRequest(f"messages could not be rendered with the model's chat template: {e}", param="messages") from None
             max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
-            return self._jobs([self._tokenize(prompt_ids, self._params(req, max_tokens, logprobs))], req.n)
+            return self._jobs([self._tokenize(prompt_ids, self._params(req, max_tokens, logprobs, calls_grammar))], req.n)
 
         batch = _Batch(req.n, api_key, jobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return await _primed(self._chat_stream(request_id, created, batch, logprobs, req.n, _include_usage(req)))
+            return await _primed(self._chat_stream(request_id, created, batch, logprobs, req.n, _include_usage(req), tools))
         choices = await self._collect(batch)
         return p.ChatCompletionResponse(
             id=request_id,
@@ -160,18 +165,21 @@ class OpenAIServing:
             model=self.model_name,
             choices=[
                 p.ChatChoice(
-                    index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                    index=i, message=message, finish_reason=finish_reason,
                     logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None,
                 )
                 for i, c in enumerate(choices)
+                for message, finish_reason in [_assistant_message(c, tools)]
             ],
             usage=_usage(choices, req.n),
         )
 
     async def _chat_stream(
-        self, request_id: str, created: int, batch: _Batch, logprobs: int | None, n: int, include_usage: bool
+        self, request_id: str, created: int, batch: _Batch, logprobs: int | None, n: int, include_usage: bool,
+        tools: ToolPlan | None,
     ) -> AsyncIterator[str]:
         totals = [_Choice() for _ in range(batch.choices)]
+        parsers = [ToolCallParser(tools) for _ in range(batch.choices)] if tools is not None else None
 
         def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
             return _sse(p.ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage))
@@ -181,16 +189,34 @@ class OpenAIServing:
                 yield chunk([p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))])
             _account(totals[index], out)
             chat_logprobs = self._chat_logprobs(out.logprobs or []) if logprobs is not None else None
-            delta = p.DeltaMessage(content=out.new_text) if out.new_text or not out.finished else p.DeltaMessage()
-            yield chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=chat_logprobs, finish_reason=_finish(out))])
+            finish_reason = _finish(out)
+            if parsers is None:
+                delta = p.DeltaMessage(content=out.new_text) if out.new_text or not out.finished else p.DeltaMessage()
+            else:  # content as it is known not to be a call; each call once its block closes
+                parser = parsers[index]
+                called = len(parser.calls)
+                content, calls = parser.feed(out.new_text)
+                if out.finished:
+                    content += parser.finish()
+                    finish_reason = _tool_finish(finish_reason, parser.calls)
+                if calls:
+                    yield chunk([p.ChatChunkChoice(index=index, delta=p.DeltaMessage(tool_calls=[
+                        p.DeltaToolCall(index=called + j, id=c.id, type="function",
+                                        function=p.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                        for j, c in enumerate(calls)]))])
+                delta = p.DeltaMessage(content=content) if content else p.DeltaMessage()
+                if not content and not out.finished and chat_logprobs is None:
+                    continue
+            yield chunk([p.ChatChunkChoice(index=index, delta=delta, logprobs=chat_logprobs, finish_reason=finish_reason)])
         if include_usage:
             yield chunk([], _usage(totals, n))
 
     # ---- shared ----------------------------------------------------------------------
 
-    def _params(self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
+                calls_grammar: StructuredOutputs | None = None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-        structured = structured_outputs_of(req)
+        structured = structured_outputs_of(req, calls_grammar)
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else 16,
@@ -321,10 +347,12 @@ class OpenAIServing:
 # ---- helpers ---------------------------------------------------------------------------
 
 
-def structured_outputs_of(req: p.CompletionRequest | p.ChatCompletionRequest) -> StructuredOutputs | None:
-    """The one constraint `response_format` (OpenAI) or `structured_outputs` (vLLM) asks
-    for, validated (a 400 naming the field if its grammar cannot be compiled); None if neither."""
-    asked: list[tuple[str, StructuredOutputs]] = []
+def structured_outputs_of(req: p.CompletionRequest | p.ChatCompletionRequest,
+                          calls_grammar: StructuredOutputs | None = None) -> StructuredOutputs | None:
+    """The one constraint the request asks for: `tool_choice`'s grammar (`calls_grammar`),
+    `response_format` (OpenAI) or `structured_outputs` (vLLM), validated (a 400 naming the
+    field if its grammar cannot be compiled); None if none."""
+    asked: list[tuple[str, StructuredOutputs]] = [("tool_choice", calls_grammar)] if calls_grammar is not None else []
     fmt = req.response_format
     try:
         if fmt is not None and fmt.type == "json_object":
@@ -369,14 +397,22 @@ def _prompt_list(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _message_dict(message: p.ChatMessage) -> dict:
-    content = message.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    out = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        out["name"] = message.name
-    return out
+def _assistant_message(choice: _Choice, tools: ToolPlan | None) -> tuple[p.AssistantMessage, str | None]:
+    """A whole choice's message and finish reason: its text, or its tool calls (and any text
+    beside them; None if there is none) with finish reason `tool_calls`."""
+    if tools is None:
+        return p.AssistantMessage(content=choice.text), choice.finish_reason
+    parser = ToolCallParser(tools)
+    content, _ = parser.feed(choice.text)
+    content += parser.finish()
+    if not parser.calls:
+        return p.AssistantMessage(content=content), choice.finish_reason
+    calls = [p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments)) for c in parser.calls]
+    return p.AssistantMessage(content=content or None, tool_calls=calls), _tool_finish(choice.finish_reason, parser.calls)
+
+
+def _tool_finish(finish_reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 def _include_usage(req) -> bool:

@@ -6,7 +6,7 @@ fields, no type coercion): what the schema refuses, the gateway refuses with 400
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -95,10 +95,57 @@ class TextPart(_Request):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCallIn(_Request):
+    name: FunctionName
+    arguments: str = Field(description="JSON text, as the model wrote it")
+    parsed_arguments: Any = Field(None, description="ignored: the SDK's parse() adds it to the calls it returns")
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant message made (the conversation's history)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: FunctionCallIn
+    index: int | None = Field(None, description="ignored: the SDK's streamed calls carry it")
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant messages: the calls it made")
+    tool_call_id: str | None = Field(None, max_length=256, description="tool messages: the call this answers")
+    # Ignored: fields of the SDK's own response message, sent back when a client appends it.
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: Any = None
+    function_call: Any = None
+    parsed: Any = None
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments; none: any object")
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -107,11 +154,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, **LIMITS["max_tokens"].bounds())
     logprobs: bool = False
     top_logprobs: int | None = Field(None, **LIMITS["logprobs"].bounds())
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = True
 
 
 # ---- responses ------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -157,9 +208,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -178,9 +241,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first carries its id and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -207,9 +207,10 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Render the chat template and tokenize it; the template supplies any BOS itself."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        """Render the chat template (`extra`: as apply_chat_template's) and tokenize it; the
+        template supplies any BOS itself."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
 
 
 def _post_processor_adds(backend: tokenizers.Tokenizer, bos: str | None) -> bool:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from typing import Literal
 
@@ -203,20 +204,22 @@ def client(live):
         yield c
 
 
-def parse_all(client) -> list[tuple[str, dict]]:
-    answers = []
-    for model, question in CASES:
-        completion = client.chat.completions.parse(
-            model=MODEL_NAME, messages=_messages(model, question), response_format=_wrapped(model),
-            temperature=0, max_completion_tokens=MAX_TOKENS,
-        )
-        message = completion.choices[0].message
-        assert completion.choices[0].finish_reason == "stop", (model.__name__, message.content)
-        assert message.parsed is not None  # the SDK parsed and validated it with the pydantic model
-        schema = _wrapped(model).model_json_schema()
-        jsonschema.validate(json.loads(message.content), schema)
-        answers.append((model.__name__, message.content))
-    return answers
+def parse_one(client, model, question: str) -> tuple[str, str]:
+    completion = client.chat.completions.parse(
+        model=MODEL_NAME, messages=_messages(model, question), response_format=_wrapped(model),
+        temperature=0, max_completion_tokens=MAX_TOKENS,
+    )
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop", (model.__name__, message.content)
+    assert message.parsed is not None  # the SDK parsed and validated it with the pydantic model
+    jsonschema.validate(json.loads(message.content), _wrapped(model).model_json_schema())
+    return model.__name__, message.content
+
+
+def parse_all(client) -> list[tuple[str, str]]:
+    """Four at a time: the engines batch them (a row's greedy tokens do not depend on its batch)."""
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda case: parse_one(client, *case), CASES))
 
 
 @pytest.fixture(scope="module")
@@ -309,3 +312,113 @@ def test_grpc_generate_takes_a_structured_output(live):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(bad, metadata=metadata))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not JSON" in e.value.details()
+
+
+# ---- tool calls ---------------------------------------------------------------------------
+
+
+class GetWeather(BaseModel):
+    """The current weather in a city."""
+
+    city: str = Short
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class Add(BaseModel):
+    """Add two integers."""
+
+    a: int = Field(ge=-1000, le=1000)
+    b: int = Field(ge=-1000, le=1000)
+
+
+class SendEmail(BaseModel):
+    """Send an email."""
+
+    to: str = Field(pattern=r"^[a-z]{1,12}@[a-z]{1,12}\.com$")
+    subject: str = Short
+
+
+TOOLS = [openai.pydantic_function_tool(m) for m in (GetWeather, Add, SendEmail)]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTIONS = ["What is the weather in Paris?", "What is 17 plus 25?", "Email bob@example.com to say hello.",
+             "Is it raining in Tokyo?", "Add 3 and 4.", "Tell Alice that the meeting moved.", "How warm is Rome today?",
+             "What is -8 plus 100?", "Write to carol@mail.com about lunch.", "Weather in Oslo in fahrenheit?"]
+
+
+def _check_calls(message, allowed: set[str]) -> list:
+    assert message.tool_calls, message.content
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return message.tool_calls
+
+
+@pytest.mark.parametrize("choice", ["required", "required-one", "named"])
+def test_tool_choice_required_and_a_named_function_always_give_valid_calls(live, client, choice):
+    """Every answer holds valid calls. A named function, or `required` without parallel
+    calls, gives exactly one; `required` with them lets the model make more, and this small
+    one sometimes repeats calls until max_tokens (finish `length`, the complete calls kept)."""
+    names = list(SCHEMAS)
+
+    def ask(i: int):
+        name = names[i % len(names)]
+        tool_choice = {"type": "function", "function": {"name": name}} if choice == "named" else "required"
+        return name, client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": QUESTIONS[i]}], tools=TOOLS, tool_choice=tool_choice,
+            parallel_tool_calls=choice == "required", temperature=0, max_completion_tokens=MAX_TOKENS)
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(len(QUESTIONS))))
+    for name, completion in answers:
+        calls = _check_calls(completion.choices[0].message, {name} if choice == "named" else set(names))
+        if choice == "required":
+            assert completion.choices[0].finish_reason in ("tool_calls", "length")
+        else:
+            assert len(calls) == 1 and completion.choices[0].finish_reason == "tool_calls"
+            assert completion.choices[0].message.content is None
+
+
+def _weather(arguments: str) -> str:
+    args = json.loads(arguments)
+    return json.dumps({"city": args["city"], "temperature": 18 if args["unit"] == "celsius" else 64, "sky": "sunny"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_round_trip_through_the_sdk(live, client, stream):
+    """Call, tool result, final answer; streamed, the SDK assembles the calls from the
+    chunks' delta.tool_calls and gets the same call as without streaming."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    weather = [openai.pydantic_function_tool(GetWeather)]
+    asked = {"model": MODEL_NAME, "tools": weather, "parallel_tool_calls": False, "temperature": 0, "max_completion_tokens": MAX_TOKENS}
+    if stream:
+        with client.chat.completions.stream(messages=messages, tool_choice="required", **asked) as s:
+            events = [e.type for e in s]
+            first = s.get_final_completion()
+        assert "tool_calls.function.arguments.done" in events
+    else:
+        first = client.chat.completions.create(messages=messages, tool_choice="required", **asked)
+    (call,) = _check_calls(first.choices[0].message, {"GetWeather"})
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments)["city"] == "Paris"
+    messages += [first.choices[0].message,  # as the SDK returned it (parse()'s fields too)
+                 {"role": "tool", "tool_call_id": call.id, "content": _weather(call.function.arguments)}]
+    final = client.chat.completions.create(messages=messages, tool_choice="none", **asked)
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+    assert not final.choices[0].message.tool_calls
+
+
+def test_under_auto_a_plain_answer_stays_text(live, client):
+    """Nothing constrains `auto`: this small model answers in prose, which stays the content
+    (the parser's cases, calls among text included, are in tests/unit/test_tool_calls.py)."""
+    free = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Say hello."}],
+                                          tools=TOOLS, temperature=0, max_completion_tokens=30)
+    assert free.choices[0].message.content and not free.choices[0].message.tool_calls
+    assert free.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_tool_choice_naming_an_unknown_function_is_a_400(live, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice" and "'nope'" in e.value.body["message"]
