@@ -162,7 +162,10 @@ class GrpcServing:
             raise Aborted(f"request '{client_id}' was aborted")
 
     def _tokenize(self, prompt, params: SamplingParams) -> TokenizedRequest:
+        """On a thread: tokenizing, and compiling an output constraint, take milliseconds."""
         try:
+            if params.structured is not None:
+                params.structured.validate()
             request = self.router.inputs.process(prompt, params)
         except InvalidRequestError as e:
             raise BadRequest(str(e)) from None

@@ -31,7 +31,7 @@ from router import protocol as p
 from router.admission import RequestLimits
 from router.errors import BadRequest, NotFound, Unavailable, from_exception
 from router.router import Router
-from router.tool_calls import ToolCallParser, ToolPlan, plan_tools, template_messages
+from router.tool_calls import ToolCallParser, ToolPlan, check_tool_parameters, plan_tools, template_messages
 
 
 @dataclass
@@ -96,7 +96,12 @@ class OpenAIServing:
         prompts = _prompt_list(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
         self.limits.check_size(len(prompts), req.n)
-        batch = _Batch(len(prompts) * req.n, api_key, lambda: self._jobs([self._tokenize(x, params) for x in prompts], req.n))
+
+        def jobs() -> list[_Job]:
+            checked = self._validated(req, params)
+            return self._jobs([self._tokenize(x, checked) for x in prompts], req.n)
+
+        batch = _Batch(len(prompts) * req.n, api_key, jobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -146,12 +151,15 @@ class OpenAIServing:
         messages, template_vars = template_messages(req.messages, tools, self.template_reads_tools)
 
         def jobs() -> list[_Job]:
+            if tools is not None:
+                check_tool_parameters(req)
             try:
                 prompt_ids = self.tokenizer.encode_chat(messages, **template_vars)
             except (ChatTemplateError, ValueError) as e:
                 raise BadRequest(f"messages could not be rendered with the model's chat template: {e}", param="messages") from None
             max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt_ids))
-            return self._jobs([self._tokenize(prompt_ids, self._params(req, max_tokens, logprobs, calls_grammar))], req.n)
+            params = self._validated(req, self._params(req, max_tokens, logprobs, calls_grammar), calls_grammar)
+            return self._jobs([self._tokenize(prompt_ids, params)], req.n)
 
         batch = _Batch(req.n, api_key, jobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -216,7 +224,7 @@ class OpenAIServing:
     def _params(self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
                 calls_grammar: StructuredOutputs | None = None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-        structured = structured_outputs_of(req, calls_grammar)
+        asked = structured_outputs_of(req, calls_grammar)
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else 16,
@@ -233,10 +241,22 @@ class OpenAIServing:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
-                structured=structured,
+                structured=asked[1] if asked is not None else None,
             )
         except InvalidRequestError as e:
             raise BadRequest(str(e), param=e.param) from None
+
+    @staticmethod
+    def _validated(req, params: SamplingParams, calls_grammar: StructuredOutputs | None = None) -> SamplingParams:
+        """`params` once its output constraint compiles (on a thread: up to tens of ms for a
+        large schema); else a 400 naming the field that asked for it."""
+        if params.structured is not None:
+            param, spec = structured_outputs_of(req, calls_grammar)
+            try:
+                spec.validate()
+            except InvalidRequestError as e:
+                raise BadRequest(str(e), param=param) from None
+        return params
 
     def _tokenize(self, prompt: str | Sequence[int], params: SamplingParams) -> TokenizedRequest:
         try:
@@ -348,45 +368,36 @@ class OpenAIServing:
 
 
 def structured_outputs_of(req: p.CompletionRequest | p.ChatCompletionRequest,
-                          calls_grammar: StructuredOutputs | None = None) -> StructuredOutputs | None:
-    """The one constraint the request asks for: `tool_choice`'s grammar (`calls_grammar`),
-    `response_format` (OpenAI) or `structured_outputs` (vLLM), validated (a 400 naming the
-    field if its grammar cannot be compiled); None if none."""
+                          calls_grammar: StructuredOutputs | None = None) -> tuple[str, StructuredOutputs] | None:
+    """The one output constraint the request asks for, and the field that asked for it:
+    `tool_choice`'s grammar (`calls_grammar`), `response_format` (OpenAI) or
+    `structured_outputs` (vLLM); None if none. Not yet compiled: `OpenAIServing._validated`."""
     asked: list[tuple[str, StructuredOutputs]] = [("tool_choice", calls_grammar)] if calls_grammar is not None else []
-    fmt = req.response_format
+    param = "response_format"
     try:
+        fmt = req.response_format
         if fmt is not None and fmt.type == "json_object":
-            asked.append(("response_format", StructuredOutputs("json_object")))
+            asked.append((param, StructuredOutputs("json_object")))
         elif fmt is not None and fmt.type == "json_schema":
             schema = fmt.json_schema.schema_
-            spec = StructuredOutputs("json_object") if schema is None else StructuredOutputs.json_schema(schema)
-            asked.append(("response_format", spec))
+            asked.append((param, StructuredOutputs("json_object") if schema is None else StructuredOutputs.json_schema(schema)))
         so = req.structured_outputs
         if so is not None:
             for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar)):
-                if value is None:
-                    continue
                 param = f"structured_outputs.{name}"
-                if name == "json":
+                if name == "json" and value is not None:
                     asked.append((param, StructuredOutputs.json_schema(value)))
-                elif name == "choice":
+                elif name == "choice" and value is not None:
                     asked.append((param, StructuredOutputs("choice", choices=tuple(value))))
-                else:
+                elif value is not None:
                     asked.append((param, StructuredOutputs(name, spec=value)))
             if so.json_object:
                 asked.append(("structured_outputs.json_object", StructuredOutputs("json_object")))
     except InvalidRequestError as e:
-        raise BadRequest(str(e), param="structured_outputs" if fmt is None else "response_format") from None
-    if not asked:
-        return None
+        raise BadRequest(str(e), param=param) from None
     if len(asked) > 1:
         raise BadRequest(f"at most one output constraint per request; got {', '.join(name for name, _ in asked)}", param=asked[1][0])
-    param, spec = asked[0]
-    try:
-        spec.validate()
-    except InvalidRequestError as e:
-        raise BadRequest(str(e), param=param) from None
-    return spec
+    return asked[0] if asked else None
 
 
 def _prompt_list(prompt) -> list[str | list[int]]:

@@ -1,6 +1,7 @@
 """Tool calling on the chat route: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
 
     plan_tools(req)            the request's tools and choice, checked (a 400 names the field)
+    check_tool_parameters(req) their parameters' schemas compile (off the event loop)
     template_messages(...)     the conversation as the chat template takes it, tools included
     ToolPlan.constraint()      `required` or a named function: the grammar the output must match
     ToolCallParser             the model's calls out of its text, whole or as it streams
@@ -85,18 +86,23 @@ def plan_tools(req: p.ChatCompletionRequest) -> ToolPlan | None:
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise BadRequest("tools must have distinct function names", param="tools")
-    for i, tool in enumerate(req.tools):
-        if tool.function.parameters is not None:
-            try:
-                StructuredOutputs.json_schema(tool.function.parameters).validate()
-            except InvalidRequestError as e:
-                raise BadRequest(f"{tool.function.name}: {e}", param=f"tools[{i}].function.parameters") from None
     if isinstance(choice, p.NamedToolChoice):
         if choice.function.name not in names:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
         choice = choice.function.name
     tools = tuple({"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools)
     return ToolPlan(tools, choice or "auto", req.parallel_tool_calls)
+
+
+def check_tool_parameters(req: p.ChatCompletionRequest) -> None:
+    """A 400 naming the first tool whose parameters are no JSON schema pdserve can compile
+    (run off the event loop: compiling takes up to tens of ms)."""
+    for i, tool in enumerate(req.tools or ()):
+        if tool.function.parameters is not None:
+            try:
+                StructuredOutputs.json_schema(tool.function.parameters).validate()
+            except InvalidRequestError as e:
+                raise BadRequest(f"{tool.function.name}: {e}", param=f"tools[{i}].function.parameters") from None
 
 
 def template_messages(messages: list[p.ChatMessage], plan: ToolPlan | None, native: bool) -> tuple[list[dict], dict]:

@@ -83,7 +83,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token
     skip_special_tokens: bool = True
-    structured: StructuredOutputs | None = None  # what the output must match (a grammar)
+    # What the output must match. Only its size is checked here: compiling it costs up to tens
+    # of ms, so the edge validates it off its event loop (StructuredOutputs.validate).
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs so params stay hashable and immutable.
@@ -122,8 +124,3 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
-        if self.structured is not None:
-            try:
-                self.structured.validate()
-            except InvalidRequestError as e:
-                raise InvalidRequestError(str(e), "response_format") from None

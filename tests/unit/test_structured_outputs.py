@@ -46,8 +46,13 @@ def compiler(tokenizer):
 def test_a_constraint_that_cannot_compile_is_refused_with_the_reason(spec, says):
     with pytest.raises(InvalidRequestError, match=says):
         spec().validate()
-    with pytest.raises(InvalidRequestError, match=says):  # and as part of a request's parameters
-        SP(structured=spec())
+
+
+def test_an_engine_refuses_a_grammar_that_does_not_compile(compiler):
+    """The engine compiles what reaches it (the edge validated it; an engine does not trust that)."""
+    with pytest.raises(InvalidRequestError, match="unclosed group"):
+        compiler.constraint(StructuredOutputs("regex", spec="a(b"))
+    assert compiler.compiles == 0
 
 
 def test_a_grammar_over_the_size_limit_is_refused_before_compiling():

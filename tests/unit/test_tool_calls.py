@@ -11,7 +11,7 @@ import pytest
 from cluster.engine.structured_outputs import StructuredOutputs
 from router import protocol as p
 from router.errors import BadRequest
-from router.tool_calls import OPEN, ToolCallParser, plan_tools, template_messages
+from router.tool_calls import OPEN, ToolCallParser, check_tool_parameters, plan_tools, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
@@ -33,14 +33,20 @@ def plan(**fields):
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice", "not in tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
-         "tools[0].function.parameters", "Invalid type"),
     ],
 )
 def test_a_plan_that_cannot_be_served_is_a_400_naming_the_field(fields, param, says):
     with pytest.raises(BadRequest) as e:
         plan_tools(request(**fields))
     assert e.value.param == param and says in str(e.value)
+
+
+def test_tool_parameters_that_are_no_schema_are_a_400_naming_the_tool():
+    req = request(tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}])
+    with pytest.raises(BadRequest) as e:
+        check_tool_parameters(req)
+    assert e.value.param == "tools[1].function.parameters" and "Invalid type" in str(e.value)
+    check_tool_parameters(request(tools=[WEATHER, ADD]))
 
 
 def test_no_tools_or_tool_choice_none_is_no_plan():
