@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from cluster.config import CacheConfig
+from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.engine.input_processor import TokenizedRequest
 from cluster.engine.sampling_params import SamplingParams
@@ -136,3 +136,23 @@ def test_logprobs_and_n_choices_under_a_grammar(engine):
     for completion in outputs:
         assert completion.text in ("yes", "no")
         assert all(lp.logprob is not None and len(lp.top) == 2 for lp in completion.logprobs)
+
+
+def test_preempted_constrained_requests_recompute_and_answer_as_if_never_preempted(engine):
+    """Preemption recomputes KV and keeps the output tokens, so the grammar's state stands."""
+    questions = ["Describe a person.", "Describe a famous person.", "Describe a young person.", "Describe an old person."]
+    prompts = [chat(engine, q + " Answer in JSON.") for q in questions]
+    params = SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutputs.json_schema(PERSON))
+    expected = [c.token_ids for c in engine.generate(prompts, params)]
+    tight = Engine.from_pretrained(str(builtin_model_path()), dtype="float32", max_model_len=224, num_threads=2,
+                                   cache=CacheConfig(block_size=16, num_blocks=14), scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    ids = [tight.add(TokenizedRequest(p, params)) for p in prompts]
+    requests = {rid: tight.scheduler.requests[rid] for rid in ids}
+    got = {rid: [] for rid in ids}
+    while tight.has_unfinished:
+        for out in tight.step():
+            got[out.request_id] += out.new_token_ids
+        tight.check_integrity()
+    assert sum(r.num_preemptions for r in requests.values()) > 0
+    assert [got[rid] for rid in ids] == expected
+    assert tight.pool.num_used_blocks == 0
