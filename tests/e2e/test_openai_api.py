@@ -3,10 +3,13 @@
 offline engine token for token; usage, finish reasons, n, logprobs, errors."""
 
 import json
+import re
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
@@ -245,3 +248,31 @@ def test_a_request_that_fans_out_too_far_is_refused_before_any_work(client, live
         assert len(many.choices) == 64
     finally:
         live.redeploy()
+
+
+def test_the_grafana_dashboard_queries_only_series_the_server_exports(live, client):
+    """deploy/grafana-dashboard.json: every series a panel's query names is one the gateway's
+    /metrics exports (a family declared there), and every label it groups by is one that
+    series carries (where it has samples: some counters have none until their event)."""
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    exported: dict[str, set[str]] = {}  # series name -> labels seen
+    for family in text_string_to_metric_families(live.scrape()):
+        suffixes = {"histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count"), "counter": ("_total",)}
+        for suffix in suffixes.get(family.type, ("",)):
+            exported.setdefault(family.name + suffix, set())
+        for sample in family.samples:
+            exported.setdefault(sample.name, set()).update(sample.labels)
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 20
+    for expr in exprs:
+        series = re.findall(r"\bpdserve_[a-z0-9_]+", expr)
+        for name in series:
+            assert name in exported, (name, expr)
+        for by in re.findall(r"by \(([^)]*)\)", expr):
+            for label in (x.strip() for x in by.split(",")):
+                for name in series:
+                    assert not exported[name] or label in exported[name], (label, name, expr)
+    topics = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
+    for topic in ("first token", "inter-token", "throughput", "queues", "kv cache", "hit rate", "transfer", "migrations", "replicas"):
+        assert topic in topics

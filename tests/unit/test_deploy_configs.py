@@ -292,3 +292,79 @@ def test_prefill_replicas_span_two_gpus_of_one_node_and_decode_replicas_one(serv
     assert "placement_group_bundles" not in decode
     assert cfg.engine_for(cfg.prefill).tensor_parallel_size == 2 and cfg.engine_for(cfg.decode).tensor_parallel_size == 1
     build_app(cfg)  # Serve accepts the options: the replica's own resources fit bundle 0
+
+
+# ------------------------------------------------------------------ rayservice.yaml (KubeRay)
+
+GROUPS = {"PrefillWorker": ("prefill", "prefill-gpu", "prefill_node"), "DecodeWorker": ("decode", "decode-gpu", "decode_node")}
+
+
+@pytest.fixture
+def rayservice() -> dict:
+    with open(DEPLOY / "rayservice.yaml") as f:
+        docs = list(yaml.safe_load_all(f))
+    (service,) = [d for d in docs if d["kind"] == "RayService"]
+    return {"service": service, "docs": docs, "serve": yaml.safe_load(service["spec"]["serveConfigV2"])}
+
+
+def _pods(rayservice: dict) -> dict:
+    config = rayservice["service"]["spec"]["rayClusterConfig"]
+    return {"head": config["headGroupSpec"], **{g["groupName"]: g for g in config["workerGroupSpecs"]}}
+
+
+def test_rayservice_serves_the_same_application_as_serve_yaml(rayservice, serve):
+    """serveConfigV2 passes Serve's own schema and is serve.yaml but for where the secrets
+    and Redis are (mounted files, a Kubernetes service)."""
+    serve_validate(rayservice["serve"])
+    theirs = copy.deepcopy(rayservice["serve"])
+    args = app_of(theirs)["args"]
+    assert args.pop("redis_url") == "redis://pdserve-redis:6380/0?password_file=/etc/pdserve/redis-password"
+    assert args["gateway"].pop("api_key_file") == "/etc/pdserve/api-keys"
+    ours = copy.deepcopy(serve)
+    del app_of(ours)["args"]["redis_url"], app_of(ours)["args"]["gateway"]["api_key_file"]
+    assert theirs == ours
+    from_dict(ClusterConfig, app_of(rayservice["serve"])["args"])  # and the args parse
+
+
+def test_rayservice_pins_each_tier_to_its_own_gpu_group_with_room_for_its_replicas(rayservice):
+    pods = _pods(rayservice)
+    head = pods["head"]
+    assert head["rayStartParams"]["num-gpus"] == "0" and "resources" not in head["rayStartParams"]
+    args = app_of(rayservice["serve"])["args"]
+    for _, (key, group_name, tag) in GROUPS.items():
+        group = pods[group_name]
+        declared = json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
+        assert declared == {tag: 1}, group_name
+        (container,) = group["template"]["spec"]["containers"]
+        gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        tier = args[key]
+        ranks = tier.get("tensor_parallel_size", 1)
+        per_pod = gpus // (tier["num_gpus"] * ranks)
+        most = (tier.get("autoscaling") or {}).get("max_replicas", tier["num_replicas"])
+        least = (tier.get("autoscaling") or {}).get("min_replicas", tier["num_replicas"])
+        assert per_pod * group["maxReplicas"] >= most, group_name
+        assert group["minReplicas"] >= 1 or least == 0, group_name
+
+
+def test_rayservice_is_closed_by_default_and_runs_the_direct_ingress(rayservice):
+    """Every Ray container: token auth with the token from the secret, the ingress settings
+    a local `pdserve serve` sets, replicas at nice 0; the secrets mounted, never inline;
+    Redis with the password, in the cluster only."""
+    wanted = {**ingress.environment("direct", local=False), **{f"RAY_{k}": str(v) for k, v in RAY_SYSTEM_CONFIG.items()},
+              "RAY_AUTH_MODE": "token"}
+    for name, group in _pods(rayservice).items():
+        spec = group["template"]["spec"]
+        for container in spec["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert {k: env.get(k) for k in wanted} == wanted, name
+            (token,) = [e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN"]
+            assert token["valueFrom"]["secretKeyRef"] == {"name": "pdserve-secrets", "key": "ray-auth-token"}
+            assert {"name": "pdserve-secrets", "mountPath": "/etc/pdserve", "readOnly": True} in container["volumeMounts"]
+        (secret,) = [v for v in spec["volumes"] if v["name"] == "pdserve-secrets"]
+        assert secret["secret"]["secretName"] == "pdserve-secrets"
+    (redis,) = [d for d in rayservice["docs"] if d["kind"] == "Deployment"]
+    (command,) = [" ".join(c["command"]) for c in redis["spec"]["template"]["spec"]["containers"]]
+    assert "--requirepass" in command and "/etc/pdserve/redis-password" in command and "--protected-mode yes" in command
+    (service,) = [d for d in rayservice["docs"] if d["kind"] == "Service"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert "sk-" not in yaml.safe_dump_all(rayservice["docs"])  # no key inline
