@@ -283,8 +283,13 @@ class ClusterConfig:
     redis_url: str | None = None
     gateway: GatewayConfig = GatewayConfig()
     routing: RoutingConfig = RoutingConfig()
+    # An OTLP/HTTP collector's base URL (http://host:4318): every replica exports a span per
+    # phase of each request there (cluster/serving/tracing.py). None: no tracing.
+    otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_endpoint must be an http(s) URL, got {self.otlp_endpoint!r}")
         if self.engine.tensor_parallel_size != 1:  # it would be silently overridden by the tiers'
             raise ValueError("set tensor_parallel_size per tier (prefill, decode), not on the engine")
         if self.ingress not in INGRESS_MODES:

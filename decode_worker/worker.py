@@ -32,6 +32,7 @@ from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.outputs import RequestOutput
 from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError
 from cluster.kv.transport.interface import KVTransferError
+from cluster.serving import tracing
 from cluster.serving.delta_channel import DeltaSender
 from cluster.serving.faults import is_worker_fault
 from cluster.serving.messages import GenerateRequest, PrefillRequest, PrefillResult, PrefillStarted
@@ -86,25 +87,38 @@ class DecodeWorker(EngineWorker):
         `req.reply_to` (with every other delta of the same step for that gateway); returns
         how many it sent. Cancelling the call aborts the request."""
         channel = self.deltas.connection(req.reply_to)
-        sent = 0
+        span = tracing.start("decode", req.trace, worker=self.worker_id, request_id=req.request_id,
+                             local_prefill=req.local_prefill or self.colocated, resumes_after=len(req.generated))
+        sent = tokens = 0
         try:
-            async for out in self._outputs(req):
+            async for out in self._outputs(req, span):
                 channel.send(out)  # DeltaChannelError: the gateway is gone; the request aborts
                 if sent == 0:
                     self.publish_soon()  # the prompt's blocks are cached now
                 sent += 1
+                tokens += len(out.new_token_ids)
+        except Exception as e:
+            span.end(e)
+            raise
         finally:
             self.publish_soon()  # its output's blocks too (or all freed)
+            span.set(output_tokens=tokens)
+            span.end()
         return sent
 
-    async def _outputs(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, req: GenerateRequest, span: tracing.Span) -> AsyncIterator[RequestOutput]:
         """The request's deltas: computed here (colocated, or a prompt placed here), or
         prefilled by a prefill worker, its first token streamed at once and its KV received
         while it streams, then decoded here."""
         if self.colocated or req.local_prefill:
             if req.local_prefill:
                 self._counts["local_prefills"] += 1
+            first = True
             async for out in self.engine.stream(req.request, req.request_id, generated=req.generated):
+                if first:
+                    span.set(prefix_hit_tokens=out.num_cached_tokens)
+                    span.event("first_token")
+                    first = False
                 yield out
             return
         receive = _Receive()  # the thread receiving the KV into the reserved blocks, once started
@@ -112,9 +126,11 @@ class DecodeWorker(EngineWorker):
         try:
             # Inside the try: a cancellation while reserving still aborts (the inbox keeps
             # the reserve-then-abort order on the engine thread).
-            await self.engine.prepare(req.request)
-            _, block_ids, num_cached = await self._reserve(req)
-            result = await self._prefill(req, block_ids, num_cached, receive)
+            with span.child("reserve") as reserving:
+                await self.engine.prepare(req.request)
+                _, block_ids, num_cached = await self._reserve(req)
+                reserving.set(blocks=len(block_ids), prefix_hit_tokens=num_cached)
+            result = await self._prefill(req, block_ids, num_cached, receive, span)
             if result is None:  # no prefill worker computed it: this one does, in the reserved blocks
                 abort_on_exit = False
                 async for out in self.engine.compute_here(req.request_id):
@@ -126,6 +142,7 @@ class DecodeWorker(EngineWorker):
                 )
                 if first is None:
                     raise EngineDeadError(f"request {req.request_id} stopped waiting for its KV")
+                span.event("first_token")
                 yield first  # the client's first token, while the KV is still in flight
                 if not first.finished:
                     kv_received = await asyncio.shield(receive.future)
@@ -148,7 +165,8 @@ class DecodeWorker(EngineWorker):
                 else:
                     self.engine.abort(req.request_id)
 
-    async def _prefill(self, req: GenerateRequest, block_ids: list[int], num_cached: int, receive: _Receive) -> PrefillResult | None:
+    async def _prefill(self, req: GenerateRequest, block_ids: list[int], num_cached: int, receive: _Receive,
+                       trace: tracing.Span = tracing.NO_SPAN) -> PrefillResult | None:
         """The prefill worker's result (first token, transfer to receive); the receive starts
         at its first message (PrefillStarted for a prompt of several chunks: the KV comes
         while the rest computes). When the prefill worker fails before it replies (it died,
@@ -159,6 +177,7 @@ class DecodeWorker(EngineWorker):
         route = req.prefill_route
         attempts = PREFILL_ATTEMPTS if self.policy == "retry" else 1
         for attempt in range(1, attempts + 1):
+            call_span = trace.child("prefill_call", attempt=attempt)
             stream = self.prefill.options(stream=True).prefill.remote(
                 PrefillRequest(
                     request_id=f"{req.request_id}.p{attempt}" if attempt > 1 else req.request_id,
@@ -169,14 +188,17 @@ class DecodeWorker(EngineWorker):
                     num_blocks=len(block_ids),
                     route=route,
                     generated=req.generated,
+                    trace=call_span.carrier(),
                 )
             )
             result = None
             try:
                 async for message in stream:
                     if receive.future is None:  # the first message names the transfer
+                        received = trace.child("kv_receive", transfer_id=message.transfer_id,
+                                               **self.transfer_attributes(len(block_ids), message.prefill_endpoints[0]))
                         receive.future = asyncio.get_running_loop().run_in_executor(
-                            self._receivers, self._receive, message, block_ids
+                            self._receivers, self._receive, message, block_ids, received
                         )
                     if isinstance(message, PrefillResult):
                         result = message
@@ -185,6 +207,7 @@ class DecodeWorker(EngineWorker):
                     raise EngineDeadError(f"the prefill of {req.request_id} ended without its first token")
                 return result
             except Exception as e:
+                call_span.end(e)
                 if not is_worker_fault(e):
                     raise
                 if self.policy == "fail":
@@ -196,6 +219,7 @@ class DecodeWorker(EngineWorker):
                     route = RouteHint()  # any live replica: Serve's router drops a dead one ...
                     await asyncio.sleep(PREFILL_RETRY_BACKOFF_S * attempt)  # ... once it has noticed
             finally:
+                call_span.end()
                 if result is None:
                     stream.cancel()  # abandoned or failed: the prefill stops there too
         self._counts["computed_here"] += 1
@@ -224,10 +248,11 @@ class DecodeWorker(EngineWorker):
 
         receiving.add_done_callback(abort)
 
-    def _receive(self, result: PrefillStarted, block_ids: list[int]) -> bool:
+    def _receive(self, result: PrefillStarted, block_ids: list[int], span: tracing.Span = tracing.NO_SPAN) -> bool:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
         try:
-            self.recv_kv(result.prefill_id, result.prefill_endpoints, block_ids, result.transfer_id)
+            with span:
+                self.recv_kv(result.prefill_id, result.prefill_endpoints, block_ids, result.transfer_id)
             return True
         except KVTransferError as e:
             if self.policy == "fail":

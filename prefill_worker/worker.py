@@ -31,6 +31,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.errors import EngineDeadError
 from cluster.kv.tp_transfer import Part
 from cluster.kv.transport.interface import KVTransferError
+from cluster.serving import tracing
 from cluster.serving.messages import OneTokenRequest, PrefillRequest, PrefillResult, PrefillStarted
 from cluster.serving.worker import EngineWorker
 
@@ -53,13 +54,16 @@ class PrefillWorker(EngineWorker):
         """For a decode worker: PrefillStarted once the first part of the KV is on its way
         (a prompt of several chunks), then PrefillResult with the first token."""
         transfer = PrefillStarted(req.request_id, self.worker_id, self.rank_endpoints, next(self._transfer_ids))
-        send = _KVSend(self, req, transfer.transfer_id)
-        out, started = None, False
+        span = tracing.start("prefill", req.trace, worker=self.worker_id, request_id=req.request_id,
+                             prompt_tokens=len(req.request.prompt_token_ids), transfer_id=transfer.transfer_id)
+        send = _KVSend(self, req, transfer.transfer_id, span)
+        out, started, chunks = None, False, 0
         try:
             first_token = dataclasses.replace(req.request, params=req.request.params.for_first_token(len(req.generated)))
             stream = self.engine.stream(first_token, req.request_id, hold_kv=True, generated=req.generated, stream_kv=True)
             async for out in stream:
                 if out.kv_progress is not None:
+                    chunks += 1
                     if send.computed(*out.kv_progress) and not started:
                         started = True
                         yield transfer  # the decode worker receives from now on
@@ -67,12 +71,15 @@ class PrefillWorker(EngineWorker):
             self.publish_soon()  # the prompt's blocks are cached now
             if out is None or out.held_block_ids is None:  # it ended without holding its KV (aborted): nothing to send
                 raise EngineDeadError(f"the prefill of {req.request_id} ended without its KV ({out and out.finish_reason})")
+            span.set(chunks=chunks + 1, prefix_hit_tokens=out.num_cached_tokens)
             send.finish(out.held_block_ids)  # the last part
-        except BaseException:
+        except BaseException as e:
             send.abandon()  # (the engine freed the blocks with the request; the receiver fails at once)
+            span.end(e if isinstance(e, Exception) else None)
             raise
         finally:
             send.close()  # after the last part (or the abandon): the held blocks, if any, are released
+            span.end()  # (its kv_send parts may end after it: they are sent on the sender's thread)
         yield PrefillResult(
             **vars(transfer), first_token_id=out.new_token_ids[0], first_logprob=out.logprobs[0] if out.logprobs else None,
         )
@@ -81,8 +88,11 @@ class PrefillWorker(EngineWorker):
         """A request that ends with its next token, computed and finished here (no decode
         worker, no KV transfer): its one delta."""
         out = None
-        async for out in self.engine.stream(req.request, req.request_id, generated=req.generated):  # noqa: B007
-            pass  # one step: one delta, finished
+        with tracing.start("prefill", req.trace, worker=self.worker_id, request_id=req.request_id,
+                           prompt_tokens=len(req.request.prompt_token_ids), one_token=True) as span:
+            async for out in self.engine.stream(req.request, req.request_id, generated=req.generated):  # noqa: B007
+                pass  # one step: one delta, finished
+            span.set(prefix_hit_tokens=out.num_cached_tokens if out is not None else None)
         self.publish_soon()
         return out
 
@@ -103,8 +113,8 @@ class _KVSend:
     the sends: a part that failed ends the sending (the receiver has failed too, and the
     decode worker recomputes or fails the request by its policy), never the prefill."""
 
-    def __init__(self, worker: PrefillWorker, req: PrefillRequest, transfer_id: int):
-        self.worker, self.req, self.transfer_id = worker, req, transfer_id
+    def __init__(self, worker: PrefillWorker, req: PrefillRequest, transfer_id: int, trace: tracing.Span = tracing.NO_SPAN):
+        self.worker, self.req, self.transfer_id, self.trace = worker, req, transfer_id, trace
         self.skip, self.total = req.num_cached_tokens // worker.block_size, req.num_blocks
         self.queued = 0  # blocks handed to the thread so far (of `total`)
         self.abandoned = False  # nothing more is queued
@@ -165,7 +175,9 @@ class _KVSend:
     def _send(self, part: Part, abandon: bool = False) -> bool:
         req = self.req
         try:
-            self.worker.send_kv(req.decode_id, req.decode_endpoints, part, self.transfer_id, abandon)
+            with self.trace.child("kv_send", first_block=part.first, abandon=abandon,
+                                  **self.worker.transfer_attributes(len(part.block_ids), req.decode_endpoints[0])):
+                self.worker.send_kv(req.decode_id, req.decode_endpoints, part, self.transfer_id, abandon)
             return True
         except KVTransferError as e:
             log.warning("KV transfer %d of %s failed: %s", self.transfer_id, req.request_id, e)

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import EngineConfig, GatewayConfig, RoutingConfig
 from cluster.engine.sampling_params import LIMITS, SamplingParams
+from cluster.serving import tracing
 from protos.pdserve.v1 import generation_pb2 as pb
 from router import protocol as p
 from router.admission import Admission, RequestLimits
@@ -198,6 +199,7 @@ class Gateway:
     ):
         self.config = config
         self.model_name = engine_config.model_id
+        tracing.configure("pdserve-gateway")
         self.metrics = GatewayMetrics(replica=f"gateway-{uuid.uuid4().hex[:8]}")
         self.router = Router(engine_config, decode_handle, prefill_handle, self.metrics, routing, redis_url)
         self.auth = ApiKeyAuth(load_api_keys(config.api_keys, config.api_key_file))
@@ -294,11 +296,21 @@ class Gateway:
 
     @api.post("/v1/completions", response_model=p.CompletionResponse, responses={**ERRORS, **STREAMED})
     async def completions(self, body: p.CompletionRequest, request: Request):
-        return _respond(await self.openai.completion(body, request.state.api_key))
+        trace = tracing.start("completions", request.headers, stream=body.stream, model=body.model)
+        try:
+            return _respond(await self.openai.completion(body, request.state.api_key, trace))
+        except Exception as e:
+            trace.end(e)  # (a response or stream ends it once it is over)
+            raise
 
     @api.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses={**ERRORS, **STREAMED})
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request):
-        return _respond(await self.openai.chat(body, request.state.api_key))
+        trace = tracing.start("chat.completions", request.headers, stream=body.stream, model=body.model)
+        try:
+            return _respond(await self.openai.chat(body, request.state.api_key, trace))
+        except Exception as e:
+            trace.end(e)
+            raise
 
     # ---- gRPC (Serve's proxy calls the method named like the RPC) -----------------------
 
@@ -306,7 +318,8 @@ class Gateway:
         try:
             api_key = self.auth.check(metadata(grpc_context, "authorization"))
             _check_parsed(request)
-            async for message in self.grpc.stream(request, api_key):
+            trace = tracing.start("grpc.Generate", {h: metadata(grpc_context, h) or "" for h in tracing.TRACE_HEADERS})
+            async for message in self.grpc.stream(request, api_key, trace):
                 yield message
         except asyncio.CancelledError:
             raise

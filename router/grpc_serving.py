@@ -16,6 +16,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured_outputs import StructuredOutputs
 from cluster.errors import InvalidRequestError
+from cluster.serving import tracing
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.admission import RequestLimits
 from router.errors import Aborted, AlreadyExists, BadRequest, GatewayError, NotFound, Unavailable, from_exception
@@ -123,9 +124,20 @@ class GrpcServing:
     def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.Model(id=self.model_name, max_model_len=self.router.inputs.max_model_len)])
 
-    async def stream(self, request: pb.GenerateRequest, api_key: str = "") -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, request: pb.GenerateRequest, api_key: str = "", trace: tracing.Span = tracing.NO_SPAN
+                     ) -> AsyncIterator[pb.GenerateResponse]:
         """Validate the request, admit it, tokenize it (off the event loop) and validate its
-        prompt, all before any work; then stream."""
+        prompt, all before any work; then stream. `trace`: the call's span (ended here)."""
+        try:
+            async for message in self._stream(request, api_key, trace):
+                yield message
+        except Exception as e:
+            trace.end(e)
+            raise
+        finally:
+            trace.end()
+
+    async def _stream(self, request: pb.GenerateRequest, api_key: str, trace: tracing.Span) -> AsyncIterator[pb.GenerateResponse]:
         if request.model and request.model != self.model_name:
             raise NotFound(f"The model '{request.model}' does not exist; this server serves '{self.model_name}'")
         which = request.WhichOneof("prompt")
@@ -138,11 +150,14 @@ class GrpcServing:
         if key in self._running:
             raise AlreadyExists(f"request_id '{client_id}' is already running")
         running = self._running[key] = _Running()
+        admission = trace.child("admission", choices=1)
         try:
             async with self.admitted(api_key, 1):
-                tokenized = await asyncio.to_thread(self._tokenize, prompt, params)
+                admission.end()
+                with trace.child("tokenize"):
+                    tokenized = await asyncio.to_thread(self._tokenize, prompt, params)
                 # Internal ids are always the gateway's own: clients cannot collide in the workers.
-                stream = self.router.stream(tokenized, self.router.new_request_id())
+                stream = self.router.stream(tokenized, self.router.new_request_id(), trace)
                 async with aclosing(stream):  # closing it aborts it on every tier
                     async for out in stream:
                         if out.finished and out.finish_reason == "abort":
@@ -158,6 +173,7 @@ class GrpcServing:
             running.task.uncancel()  # the abort's own cancellation, answered with a status below
         finally:
             self._running.pop(key, None)
+            admission.end()  # (refused: it ends here)
         if running.aborted:
             raise Aborted(f"request '{client_id}' was aborted")
 

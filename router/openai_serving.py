@@ -26,6 +26,7 @@ from cluster.engine.outputs import RequestOutput, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured_outputs import StructuredOutputs
 from cluster.errors import InvalidRequestError
+from cluster.serving import tracing
 from cluster.text.tokenizer import ChatTemplateError
 from router import protocol as p
 from router.admission import RequestLimits
@@ -50,6 +51,7 @@ class _Batch:
     choices: int
     api_key: str
     jobs: Callable[[], list[_Job]]
+    trace: tracing.Span = tracing.NO_SPAN  # the request's span: its generations' go under it
 
 
 @dataclass
@@ -91,7 +93,9 @@ class OpenAIServing:
 
     # ---- completions -----------------------------------------------------------------
 
-    async def completion(self, req: p.CompletionRequest, api_key: str = "") -> p.CompletionResponse | AsyncIterator[str]:
+    async def completion(self, req: p.CompletionRequest, api_key: str = "", trace: tracing.Span = tracing.NO_SPAN
+                         ) -> p.CompletionResponse | AsyncIterator[str]:
+        """`trace`: the request's span (ended with the response or its stream)."""
         self.check_model(req.model)
         prompts = _prompt_list(req.prompt)
         params = self._params(req, req.max_tokens, req.logprobs)
@@ -101,7 +105,7 @@ class OpenAIServing:
             checked = self._validated(req, params)
             return self._jobs([self._tokenize(x, checked) for x in prompts], req.n)
 
-        batch = _Batch(len(prompts) * req.n, api_key, jobs)
+        batch = _Batch(len(prompts) * req.n, api_key, jobs, trace)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -139,7 +143,9 @@ class OpenAIServing:
 
     # ---- chat ------------------------------------------------------------------------
 
-    async def chat(self, req: p.ChatCompletionRequest, api_key: str = "") -> p.ChatCompletionResponse | AsyncIterator[str]:
+    async def chat(self, req: p.ChatCompletionRequest, api_key: str = "", trace: tracing.Span = tracing.NO_SPAN
+                   ) -> p.ChatCompletionResponse | AsyncIterator[str]:
+        """`trace`: as completion's."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -161,7 +167,7 @@ class OpenAIServing:
             params = self._validated(req, self._params(req, max_tokens, logprobs, calls_grammar), calls_grammar)
             return self._jobs([self._tokenize(prompt_ids, params)], req.n)
 
-        batch = _Batch(req.n, api_key, jobs)
+        batch = _Batch(req.n, api_key, jobs, trace)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -280,23 +286,35 @@ class OpenAIServing:
         """Every job's deltas as they come, tagged with the choice index, while admitted.
         Leaving early (client gone, error) cancels every generation, which aborts it on
         every tier."""
-        async with self.admitted(batch.api_key, batch.choices):
-            # Tokenizing a long prompt takes seconds of CPU: on a thread, where the tokenizer
-            # lets go of the GIL, so every other stream of this gateway goes on meanwhile.
-            jobs = await asyncio.to_thread(batch.jobs)
-            if len(jobs) == 1:  # the common case needs no tasks
-                async for out in self._generate(jobs[0]):
-                    yield 0, out
-            else:
-                async for item in self._interleaved(jobs):
-                    yield item
+        span = batch.trace
+        admission = span.child("admission", choices=batch.choices)
+        try:
+            async with self.admitted(batch.api_key, batch.choices):
+                admission.end()
+                # Tokenizing a long prompt takes seconds of CPU: on a thread, where the tokenizer
+                # lets go of the GIL, so every other stream of this gateway goes on meanwhile.
+                with span.child("tokenize"):
+                    jobs = await asyncio.to_thread(batch.jobs)
+                span.set(prompt_tokens=sum(len(job.request.prompt_token_ids) for job in jobs))
+                if len(jobs) == 1:  # the common case needs no tasks
+                    async for out in self._generate(jobs[0], span):
+                        yield 0, out
+                else:
+                    async for item in self._interleaved(jobs, span):
+                        yield item
+        except Exception as e:
+            admission.end(e)
+            span.end(e)
+            raise
+        finally:
+            span.end()
 
-    async def _interleaved(self, jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _interleaved(self, jobs: list[_Job], span: tracing.Span) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(job: _Job) -> None:
             try:
-                async for out in self._generate(job):
+                async for out in self._generate(job, span):
                     queue.put_nowait((job.index, out))
                 queue.put_nowait((job.index, _DONE))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
@@ -318,9 +336,9 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate(self, job: _Job) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, job: _Job, span: tracing.Span) -> AsyncIterator[RequestOutput]:
         finished = False
-        async for out in self.router.stream(job.request, self.router.new_request_id()):
+        async for out in self.router.stream(job.request, self.router.new_request_id(), span):
             if out.finished and out.finish_reason == "abort":
                 raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
             finished = finished or out.finished

@@ -30,6 +30,7 @@ from cluster.config import EngineConfig, RoutingConfig
 from cluster.engine.input_processor import InputProcessor, TokenizedRequest
 from cluster.engine.outputs import RequestOutput
 from cluster.errors import EngineDeadError, StalledError
+from cluster.serving import tracing
 from cluster.serving.delta_channel import DeltaReceiver
 from cluster.serving.faults import can_migrate, is_worker_fault
 from cluster.serving.messages import GenerateRequest, OneTokenRequest
@@ -69,19 +70,24 @@ class Router:
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    async def stream(self, request: TokenizedRequest, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, request: TokenizedRequest, request_id: str | None = None, trace: tracing.Span = tracing.NO_SPAN
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas. A worker fault mid-stream (see _attempt) re-issues
         it to other workers with the tokens streamed so far, up to migration_limit times:
-        the stream goes on with the next token, never a repeated or a missing one."""
+        the stream goes on with the next token, never a repeated or a missing one.
+        `trace`: the span this generation's belongs under."""
         request_id = request_id or self.new_request_id()
         timer = self.metrics.track()
         generated: list[int] = []  # output the consumer has received
         avoid: set[str] = set()  # workers that failed this request
         status, finish_reason = "error", None
+        span = trace.child("generate", request_id=request_id, prompt_tokens=len(request.prompt_token_ids),
+                           max_tokens=request.params.max_tokens)
         try:
             for attempt in itertools.count():
                 try:
-                    async for out in self._attempt(request, _attempt_id(request_id, attempt), generated, avoid):
+                    async for out in self._attempt(request, _attempt_id(request_id, attempt), generated, avoid, span):
                         if out.new_token_ids:
                             timer.output()
                         if out.finished:
@@ -94,6 +100,7 @@ class Router:
                         raise
                     reason = _migration_reason(e)
                     self.metrics.migrations.labels(reason).inc()
+                    span.event("migration", reason=reason, after_tokens=len(generated))
                     log.warning("request %s migrates after %d tokens (%s): %s", request_id, len(generated), reason, e)
                     await asyncio.sleep(MIGRATION_BACKOFF_S * attempt)  # 0 at first: the next replica is live
         except (asyncio.CancelledError, GeneratorExit):
@@ -101,26 +108,35 @@ class Router:
             raise
         finally:
             timer.finish(status, finish_reason)
+            span.set(status=status, finish_reason=finish_reason, output_tokens=len(generated))
+            span.end()
 
     async def _attempt(
-        self, request: TokenizedRequest, request_id: str, generated: list[int], avoid: set[str]
+        self, request: TokenizedRequest, request_id: str, generated: list[int], avoid: set[str],
+        trace: tracing.Span = tracing.NO_SPAN,
     ) -> AsyncIterator[RequestOutput]:
         """One placement of the request, resuming after `generated`. Raises a worker fault
         (cluster/errors.py) when a worker fails it, or StalledError when no token comes for
         stall_timeout_s once it streams; the workers it used are added to `avoid`."""
-        placement = await self.placer.place(request.prompt_token_ids, avoid=frozenset(avoid))
+        span = trace.child("attempt", request_id=request_id, resumes_after=len(generated))
+        with span.child("route", policy=self.routing.policy) as route:
+            placement = await self.placer.place(request.prompt_token_ids, avoid=frozenset(avoid))
+            route.set(prefill_worker=placement.prefill_worker, decode_worker=placement.decode_worker,
+                      local_prefill=placement.local_prefill, fallback=placement.fallback,
+                      predicted_hit_tokens=max(placement.predicted_hits.values(), default=0))
         one_token = self.prefill is not None and request.params.max_tokens - len(generated) == 1
         if one_token:
             placement.decode_worker = None  # it ends with its next token: no decode worker is involved
         self.placer.started(placement)
         resume = tuple(generated)
         if one_token:
-            call = self.prefill.complete.remote(OneTokenRequest(request_id, request, route=placement.prefill, generated=resume))
+            call = self.prefill.complete.remote(OneTokenRequest(request_id, request, route=placement.prefill, generated=resume,
+                                                                trace=span.carrier()))
             outputs = _output_of(call)
         else:
             message = GenerateRequest(
                 request_id, request, await self.deltas.start(), route=placement.decode, prefill_route=placement.prefill,
-                generated=resume, local_prefill=placement.local_prefill,
+                generated=resume, local_prefill=placement.local_prefill, trace=span.carrier(),
             )
             deltas = self.deltas.subscribe(request_id)  # before the call: no delta can come first
             call = self.decode.decode.remote(message)
@@ -137,17 +153,20 @@ class Router:
                     raise StalledError(f"no token for {self.routing.stall_timeout_s} s") from None
                 if out.new_token_ids and not streaming:
                     self.placer.first_token(placement)
+                    span.event("first_token")
                     streaming = True
                 finished = out.finished
                 yield out
-        except Exception:
+        except Exception as e:
             avoid.update(w for w in (placement.decode_worker, placement.prefill_worker) if w)
+            span.end(e)
             raise
         finally:
             if not finished:
                 call.cancel()  # abandoned or failed: abort on every tier
             await outputs.aclose()
             self.placer.finished(placement)
+            span.end()  # (a second end is a no-op)
 
     async def _delivered(self, request_id: str, call, deltas: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """The deltas of the decode worker's `call` as its delta channel delivers them, up

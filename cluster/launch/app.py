@@ -10,6 +10,7 @@ ClusterConfig in plain data.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 
@@ -18,6 +19,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig, TierConfig, from_dict
+from cluster.serving import tracing
 from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.gateway import Gateway
@@ -75,6 +77,8 @@ def code_version(*args) -> str:
 
 def build_app(config: ClusterConfig) -> Application:
     def deployment(cls, tier: TierConfig, *args):
+        if config.otlp_endpoint:  # every replica's process exports its spans there
+            tier = dataclasses.replace(tier, env={**(tier.env or {}), tracing.ENDPOINT_ENV: config.otlp_endpoint})
         d = serve.deployment(cls, name=cls.__name__, **tier_options(tier))
         if cls is not Gateway:  # workers are placed by the gateway's route hints
             d = d.options(request_router_config=RequestRouterConfig(request_router_class=HINTED_REQUEST_ROUTER))

@@ -72,6 +72,8 @@ SERVE_FLAGS = (
          "core to spare (own), or never (shared)",
          ENGINE_CORES),
     Flag("--redis-url", ("redis_url",), "prefix index and rate limits (default: a private redis-server on a free port)"),
+    Flag("--otlp-endpoint", ("otlp_endpoint",), "an OTLP/HTTP collector (http://host:4318): every replica sends it a "
+         "trace of each request's phases (default: no tracing)"),
     Flag("--routing", ("routing.policy",), "how the gateway places requests on workers (kv_aware: the Redis prefix index)",
          ROUTING_POLICIES),
     Flag("--load-margin", ("routing.load_margin",), "load beats affinity: a worker carrying this many requests "

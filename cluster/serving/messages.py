@@ -35,6 +35,7 @@ class GenerateRequest:
     prefill_route: RouteHint = RouteHint()  # which prefill replica the decode worker should call
     generated: tuple[int, ...] = ()  # output already streamed to the client: a migrated request resumes after it
     local_prefill: bool = False  # the decode worker computes the prompt itself (router/placement.py: computes_locally)
+    trace: tuple[tuple[str, str], ...] = ()  # the sender's span (cluster/serving/tracing.py); () when off
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class PrefillRequest:
     num_blocks: int  # blocks the decode reserved: the KV of tokens [num_cached_tokens, prompt end)
     route: RouteHint = RouteHint()  # which prefill replica
     generated: tuple[int, ...] = ()  # as GenerateRequest.generated ("prompt end" is after them)
+    trace: tuple[tuple[str, str], ...] = ()  # as GenerateRequest.trace
 
 
 @dataclass(frozen=True)
@@ -75,3 +77,4 @@ class OneTokenRequest:
     request: TokenizedRequest
     route: RouteHint = RouteHint()  # which prefill replica
     generated: tuple[int, ...] = ()  # as GenerateRequest.generated
+    trace: tuple[tuple[str, str], ...] = ()  # as GenerateRequest.trace

@@ -22,6 +22,7 @@ from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
 from cluster.kv.transport.builder import open_transport
 from cluster.kv.transport.interface import KVEndpoint, KVTransferError
 from cluster.model.sharding import kv_routes
+from cluster.serving import tracing
 from cluster.serving.routing import RouteHint, replica_unique_id, worker_id
 
 
@@ -36,6 +37,7 @@ class EngineWorker:
         `redis_url`: it publishes its prefix cache to the index there."""
         self.replica = replica_unique_id()
         self.worker_id = worker_id(self.tier, self.replica)
+        tracing.configure(f"pdserve-{self.tier}")
         self.engine = AsyncEngine(lambda: Engine(engine_config))
         layout = self.engine.kv_layout
         self.kv_caches = layout.caches
@@ -43,6 +45,7 @@ class EngineWorker:
         self.num_kv_heads = layout.num_kv_heads
         self._rank_actors = layout.rank_actors
         self.block_size = engine_config.cache.block_size
+        self._block_bytes = sum(k[0].nbytes + v[0].nbytes for k, v in self.kv_caches)  # rank 0's heads
         self.index = None
         if redis_url:
             self.index = IndexPublisher.for_engine(self.engine, redis_url, self.worker_id, self.tier, self.replica, engine_config)
@@ -57,6 +60,10 @@ class EngineWorker:
         self._closed = False
 
     # ---- KV hand-off, every rank at once (cluster/kv/tp_transfer.py) -------------------
+
+    def transfer_attributes(self, num_blocks: int, peer: KVEndpoint) -> dict:
+        """A KV transfer's trace attributes: its blocks, the bytes rank 0 moves, the path."""
+        return {"blocks": num_blocks, "bytes_rank0": num_blocks * self._block_bytes, "path": self.transport.path_to(peer)}
 
     def send_kv(self, decode_id: str, decode_endpoints: tuple[KVEndpoint, ...], part: Part, transfer_id: int,
                 abandon: bool = False) -> None:

@@ -59,6 +59,7 @@ class LiveCluster:
         prefill_tp: int = 1,
         decode_tp: int = 1,
         colocated: bool = False,
+        otlp_endpoint: str | None = None,
     ):
         config = ClusterConfig(
             engine=engine or self.engine_config,
@@ -70,6 +71,7 @@ class LiveCluster:
             gateway=gateway,
             routing=routing,
             colocated=colocated,
+            otlp_endpoint=otlp_endpoint,
         )
         self.handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         return self.handle

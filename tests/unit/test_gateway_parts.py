@@ -333,7 +333,7 @@ class EndlessRouter:
     def new_request_id(self) -> str:
         return "internal"
 
-    async def stream(self, request, request_id):
+    async def stream(self, request, request_id, trace=None):
         try:
             while True:
                 await asyncio.sleep(0.001)

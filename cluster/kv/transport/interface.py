@@ -95,6 +95,11 @@ class KVTransport(ABC):
         """Release everything; the transport is unusable afterwards."""
 
     @abstractmethod
+    def path_to(self, peer: KVEndpoint) -> str:
+        """How a transfer with `peer` moves its payload (a trace's attribute), e.g.
+        "shared_memory" or "sockets"."""
+
+    @abstractmethod
     def stats(self) -> dict[str, float | int]:
         """Counters since construction: transfers_ok, transfers_failed, bytes_sent,
         bytes_received, seconds_sending, seconds_receiving, and the transport's own."""

@@ -471,7 +471,15 @@ class TorchDistTransport(KVTransport):
         return n, False
 
     def _on_this_host(self, pair: _Pair) -> bool:
-        return self._slots is not None and self.shared_memory and pair.store_address[0] == self.host
+        return self._slots is not None and self._shares_memory_with(pair.store_address[0])
+
+    def _shares_memory_with(self, host: str) -> bool:
+        return self.shared_memory and host == self.host
+
+    def path_to(self, peer: KVEndpoint) -> str:
+        if self.device.type != "cpu":
+            return "nccl"
+        return "shared_memory" if self._shares_memory_with(peer.host) else "sockets"
 
     def _send_shared(
         self, pg, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry, transfer_id: int, first: int, total: int

@@ -1,0 +1,135 @@
+"""A trace of every request across the tiers (OpenTelemetry), off unless an OTLP endpoint is
+configured (`--otlp-endpoint`).
+
+    configure(service, endpoint)     once per process: a replica's constructor
+    start(name, carrier, **attrs)    a span whose parent is in `carrier` (W3C trace context:
+                                     an incoming `traceparent`, or what another tier sent)
+    span.child(name, **attrs)        a span under it; span.carrier() for the next tier
+
+Parents are always explicit (never the "current span" of a context variable): a request's
+code runs in async generators, on the engine's and the KV senders' threads, where an
+implicit context would not follow it. Off, every call is a no-op on NO_SPAN: nothing is
+imported, allocated or exported.
+
+Each process exports its own spans (OTLP over HTTP, batched every 0.5 s); one trace id ties
+them together: gateway `request` > `admission`, `tokenize`, `generate` > `attempt` >
+`route`; decode `decode` > `reserve`, `prefill`, `kv_receive`; prefill `prefill` > `kv_send`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
+ENDPOINT_ENV = "PDSERVE_OTLP_ENDPOINT"  # set in every replica's environment by the app (ClusterConfig.otlp_endpoint)
+EXPORT_DELAY_MS = 500
+
+_tracer = None  # an opentelemetry Tracer once configured with an endpoint
+
+
+def configure(service: str, endpoint: str | None = None) -> None:
+    """Export this process's spans to `endpoint` (an OTLP/HTTP collector's base URL, e.g.
+    http://collector:4318; default: $PDSERVE_OTLP_ENDPOINT) as service `service`; none
+    leaves tracing off."""
+    global _tracer
+    endpoint = endpoint or os.environ.get(ENDPOINT_ENV)
+    if not endpoint or _tracer is not None:
+        return
+    # Imported only when tracing is on: the SDK and the exporter cost ~0.1 s to import.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
+    atexit.register(provider.shutdown)  # what is still batched goes out at a clean stop
+    _tracer = provider.get_tracer("pdserve")
+    log.info("tracing: %s's spans go to %s", service, endpoint)
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+class Span:
+    """A span, or nothing (NO_SPAN) when tracing is off. A context manager that ends it,
+    recording an exception that escapes. Once ended it takes no more attributes, but may
+    still have children (a KV part sent after its prompt's span ended)."""
+
+    __slots__ = ("_span", "_open")
+
+    def __init__(self, span=None):
+        self._span = span
+        self._open = span is not None
+
+    def child(self, name: str, **attributes: Any) -> Span:
+        if self._span is None:
+            return NO_SPAN
+        from opentelemetry.trace import set_span_in_context  # noqa: PLC0415 - on only
+
+        return Span(_tracer.start_span(name, context=set_span_in_context(self._span), attributes=_clean(attributes)))
+
+    def set(self, **attributes: Any) -> None:
+        if self._open:
+            self._span.set_attributes(_clean(attributes))
+
+    def event(self, name: str, **attributes: Any) -> None:
+        if self._open:
+            self._span.add_event(name, _clean(attributes))
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End it (recording `error`); a second end does nothing."""
+        if not self._open:
+            return
+        self._open = False
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415 - on only
+
+            self._span.record_exception(error)
+            self._span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        self._span.end()
+
+    def carrier(self) -> tuple[tuple[str, str], ...]:
+        """This span as W3C trace context, for a message to another tier (() when off)."""
+        if self._span is None:
+            return ()
+        from opentelemetry.trace import set_span_in_context  # noqa: PLC0415 - on only
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator  # noqa: PLC0415
+
+        out: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(out, context=set_span_in_context(self._span))
+        return tuple(out.items())
+
+    def __enter__(self) -> Span:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.end(error if isinstance(error, Exception) else None)
+
+
+NO_SPAN = Span()
+
+
+def start(name: str, carrier: Mapping[str, str] | Iterable[tuple[str, str]] = (), **attributes: Any) -> Span:
+    """A span continuing the trace in `carrier` (W3C headers, or Span.carrier() of another
+    tier), or the first of a new trace."""
+    if _tracer is None:
+        return NO_SPAN
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator  # noqa: PLC0415 - on only
+
+    headers = dict(carrier.items() if isinstance(carrier, Mapping) else carrier)
+    context = TraceContextTextMapPropagator().extract({k: v for k, v in headers.items() if k.lower() in TRACE_HEADERS})
+    return Span(_tracer.start_span(name, context=context, attributes=_clean(attributes)))
+
+
+def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
+    """OTel takes str, bool, int, float (or sequences of them): drop None, str() the rest."""
+    return {k: v if isinstance(v, str | bool | int | float) else str(v) for k, v in attributes.items() if v is not None}
