@@ -187,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "never-read streams), the abuser's server errors, restarts and leaked blocks")
     add_abuse_flags(ba)
     ba.set_defaults(fn=_runs("cluster.bench.abuse_bench:run_abuse_bench"))
+    bg = bsub.add_parser("grammar", help="what a new output constraint costs the requests already running: its compile, "
+                         "off the engine thread, against their step gaps")
+    bg.add_argument("--model", required=True)
+    bg.add_argument("--dtype", choices=DTYPES, default="auto")
+    bg.add_argument("--threads", type=int, default=1, help="torch threads (as a worker replica's default)")
+    bg.add_argument("--max-model-len", type=int, default=2048)
+    bg.add_argument("--running", type=int, default=8, help="plain requests decoding when the schema arrives")
+    bg.add_argument("--properties", type=int, default=600, help="string fields (each with a pattern) of the new schema")
+    bg.add_argument("--result-dir", default="bench-results")
+    bg.set_defaults(fn=_runs("cluster.bench.grammar_bench:run_grammar_bench"))
     bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
                          "checks that none failed, texts match an offline run and no KV block leaked")
     add_chaos_flags(bx)

@@ -160,6 +160,8 @@ class GrpcServing:
                 stream = self.router.stream(tokenized, self.router.new_request_id(), trace)
                 async with aclosing(stream):  # closing it aborts it on every tier
                     async for out in stream:
+                        if out.finished and out.error:
+                            raise BadRequest(out.error)  # the request's own (its grammar), not the server's
                         if out.finished and out.finish_reason == "abort":
                             raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
                         running.at_yield = True

@@ -339,6 +339,8 @@ class OpenAIServing:
     async def _generate(self, job: _Job, span: tracing.Span) -> AsyncIterator[RequestOutput]:
         finished = False
         async for out in self.router.stream(job.request, self.router.new_request_id(), span):
+            if out.finished and out.error:
+                raise BadRequest(out.error)  # the request's own (its grammar), not the server's
             if out.finished and out.finish_reason == "abort":
                 raise Unavailable("the request was aborted by the server; retry", retry_after_s=1)
             finished = finished or out.finished

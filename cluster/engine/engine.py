@@ -84,6 +84,7 @@ class _OutputState:
     emitted: int = 0  # characters of `text` already sent
     stream_kv: bool = False  # report its prompt's KV progress (RequestOutput.kv_progress)
     constraint: Constraint | None = None  # its grammar, advanced with every output token
+    error: str | None = None  # why it was aborted, when its grammar failed (RequestOutput.error)
 
 
 class Engine:
@@ -397,7 +398,12 @@ class Engine:
         which cannot happen unless the library errs: never an unconstrained continuation)."""
         request_id = state.request.request_id
         if not state.constraint.advance(new_ids):
-            log.error("request %s: its grammar refused a token it allowed (%s); aborting it", request_id, state.constraint.error)
+            # A grammar past the parser's limits mid-way (llguidance: "Current row has N
+            # items; max is 2000"), or a library fault: the request ends, with why.
+            reason = state.constraint.error.strip().splitlines()[0] if state.constraint.error else "it refused a token it allowed"
+            log.warning("request %s: its %s constraint failed: %s", request_id, state.constraint.spec.kind, reason)
+            made = len(state.request.output_token_ids)
+            state.error = f"the request's {state.constraint.spec.kind} constraint failed after {made} tokens: {reason}"
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
             return True
         if state.constraint.done:
@@ -420,6 +426,7 @@ class Engine:
             num_cached_tokens=r.num_cached_prompt_tokens,
             logprobs=logprobs,
             held_block_ids=self.block_table(r.request_id) if r.request_id in self.scheduler.held else None,
+            error=state.error,
         )
 
     @property

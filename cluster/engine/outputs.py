@@ -40,3 +40,6 @@ class RequestOutput:
     # step that computed a chunk of it: (tokens whose KV is in its blocks, those blocks).
     # (0, []) after a preemption: the KV reported so far is gone.
     kv_progress: tuple[int, list[int]] | None = None
+    # Why an aborted request ended, when it was the request's own doing (its grammar broke
+    # mid-generation): the client's error, not the server's.
+    error: str | None = None

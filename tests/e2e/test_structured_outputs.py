@@ -294,6 +294,16 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_it(live, client, body,
     assert error["param"] == param and says in error["message"]
 
 
+def test_a_grammar_that_outgrows_the_parser_mid_way_is_the_clients_error(live, client):
+    """A schema that compiles but whose parse outgrows llguidance's limits once generation
+    starts: a 400 saying so, not a 503 asking to retry."""
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(600)}}
+    with pytest.raises(openai.BadRequestError, match="constraint failed after"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "JSON please."}],
+                                       max_completion_tokens=12, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}})
+
+
 def test_completions_take_vllm_structured_outputs(live, client):
     out = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=10, temperature=0,
                                     extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}})

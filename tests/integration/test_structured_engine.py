@@ -156,3 +156,24 @@ def test_preempted_constrained_requests_recompute_and_answer_as_if_never_preempt
     assert sum(r.num_preemptions for r in requests.values()) > 0
     assert [got[rid] for rid in ids] == expected
     assert tight.pool.num_used_blocks == 0
+
+
+def test_a_grammar_that_outgrows_the_parser_mid_way_ends_its_request_with_why(engine):
+    """Valid, and compiled, but 600 optional properties make llguidance's parser rows wider
+    than its limit once generation starts: the request ends (abort) with the reason as its
+    error, the client's to see; the engine and the other requests go on."""
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(600)}}
+    wide = SamplingParams(max_tokens=12, temperature=0, structured=StructuredOutputs.json_schema(schema))
+    wide.structured.validate()
+    prompt = chat(engine, "JSON please.")
+    broken = engine.add(TokenizedRequest(prompt, wide))
+    fine = engine.add(TokenizedRequest(prompt, SamplingParams(max_tokens=12, temperature=0)))
+    ends = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                ends[out.request_id] = out
+    assert ends[broken].finish_reason == "abort"
+    assert "json constraint failed" in ends[broken].error and "max is 2000" in ends[broken].error
+    assert ends[fine].finish_reason == "length" and ends[fine].error is None
+    engine.check_integrity()
