@@ -126,7 +126,7 @@ class DecodeWorker(EngineWorker):
         try:
             # Inside the try: a cancellation while reserving still aborts (the inbox keeps
             # the reserve-then-abort order on the engine thread).
-            with span.child("reserve") as reserving:
+            with span.child("reserve", self.phases) as reserving:
                 await self.engine.prepare(req.request)
                 _, block_ids, num_cached = await self._reserve(req)
                 reserving.set(blocks=len(block_ids), prefix_hit_tokens=num_cached)
@@ -177,7 +177,7 @@ class DecodeWorker(EngineWorker):
         route = req.prefill_route
         attempts = PREFILL_ATTEMPTS if self.policy == "retry" else 1
         for attempt in range(1, attempts + 1):
-            call_span = trace.child("prefill_call", attempt=attempt)
+            call_span = trace.child("prefill_call", self.phases, attempt=attempt)
             stream = self.prefill.options(stream=True).prefill.remote(
                 PrefillRequest(
                     request_id=f"{req.request_id}.p{attempt}" if attempt > 1 else req.request_id,
@@ -195,7 +195,7 @@ class DecodeWorker(EngineWorker):
             try:
                 async for message in stream:
                     if receive.future is None:  # the first message names the transfer
-                        received = trace.child("kv_receive", transfer_id=message.transfer_id,
+                        received = trace.child("kv_receive", self.phases, transfer_id=message.transfer_id,
                                                **self.transfer_attributes(len(block_ids), message.prefill_endpoints[0]))
                         receive.future = asyncio.get_running_loop().run_in_executor(
                             self._receivers, self._receive, message, block_ids, received

@@ -54,7 +54,7 @@ class PrefillWorker(EngineWorker):
         """For a decode worker: PrefillStarted once the first part of the KV is on its way
         (a prompt of several chunks), then PrefillResult with the first token."""
         transfer = PrefillStarted(req.request_id, self.worker_id, self.rank_endpoints, next(self._transfer_ids))
-        span = tracing.start("prefill", req.trace, worker=self.worker_id, request_id=req.request_id,
+        span = tracing.start("prefill", req.trace, self.phases, worker=self.worker_id, request_id=req.request_id,
                              prompt_tokens=len(req.request.prompt_token_ids), transfer_id=transfer.transfer_id)
         send = _KVSend(self, req, transfer.transfer_id, span)
         out, started, chunks = None, False, 0
@@ -88,7 +88,7 @@ class PrefillWorker(EngineWorker):
         """A request that ends with its next token, computed and finished here (no decode
         worker, no KV transfer): its one delta."""
         out = None
-        with tracing.start("prefill", req.trace, worker=self.worker_id, request_id=req.request_id,
+        with tracing.start("prefill", req.trace, self.phases, worker=self.worker_id, request_id=req.request_id,
                            prompt_tokens=len(req.request.prompt_token_ids), one_token=True) as span:
             async for out in self.engine.stream(req.request, req.request_id, generated=req.generated):  # noqa: B007
                 pass  # one step: one delta, finished
@@ -175,7 +175,7 @@ class _KVSend:
     def _send(self, part: Part, abandon: bool = False) -> bool:
         req = self.req
         try:
-            with self.trace.child("kv_send", first_block=part.first, abandon=abandon,
+            with self.trace.child("kv_send", self.worker.phases, first_block=part.first, abandon=abandon,
                                   **self.worker.transfer_attributes(len(part.block_ids), req.decode_endpoints[0])):
                 self.worker.send_kv(req.decode_id, req.decode_endpoints, part, self.transfer_id, abandon)
             return True

@@ -150,11 +150,11 @@ class GrpcServing:
         if key in self._running:
             raise AlreadyExists(f"request_id '{client_id}' is already running")
         running = self._running[key] = _Running()
-        admission = trace.child("admission", choices=1)
+        admission = trace.child("admission", self.router.metrics.phases, choices=1)
         try:
             async with self.admitted(api_key, 1):
                 admission.end()
-                with trace.child("tokenize"):
+                with trace.child("tokenize", self.router.metrics.phases):
                     tokenized = await asyncio.to_thread(self._tokenize, prompt, params)
                 # Internal ids are always the gateway's own: clients cannot collide in the workers.
                 stream = self.router.stream(tokenized, self.router.new_request_id(), trace)

@@ -14,7 +14,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
-from cluster.engine.step_times import BUCKETS_S, KINDS
+from cluster.engine.step_times import BUCKETS_S, KINDS, Histograms
+from cluster.serving.tracing import PHASES
 
 disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
 
@@ -26,6 +27,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 class GatewayMetrics:
     def __init__(self, replica: str):
         self.replica = replica
+        self.phases = Histograms(PHASES["gateway"])  # this replica's requests' admission, tokenize, route
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["replica"]
         self.ttft = Histogram(
@@ -90,7 +92,7 @@ class GatewayMetrics:
 
     def render(self, worker_stats: dict[str, dict[str, dict]], silent: dict[str, int]) -> bytes:
         workers = CollectorRegistry(auto_describe=False)
-        workers.register(_WorkerCollector(worker_stats, silent))
+        workers.register(_WorkerCollector(worker_stats, silent, self.phases.snapshot()))
         return generate_latest(self.registry) + generate_latest(workers)
 
 
@@ -122,9 +124,10 @@ class _WorkerCollector:
     """Families built from one scrape's worker stats ({tier: {worker_id: stats}}) and
     the count of running replicas per tier that did not answer in time."""
 
-    def __init__(self, stats: dict[str, dict[str, dict]], silent: dict[str, int]):
+    def __init__(self, stats: dict[str, dict[str, dict]], silent: dict[str, int], gateway_phases: dict[str, dict]):
         self.stats = stats
         self.silent = silent
+        self.gateway_phases = gateway_phases
 
     def collect(self):
         running = GaugeMetricFamily("pdserve_requests_running", "Requests in the running batch, per tier.", labels=["tier"])
@@ -154,6 +157,13 @@ class _WorkerCollector:
             "pdserve_engine_step_seconds", "Engine step durations per tier, by kind: decode-only, prompt-only, mixed.",
             labels=["tier", "kind"],
         )
+        phases = HistogramMetricFamily(
+            "pdserve_request_phase_seconds",
+            "Requests' phases per tier, the spans of their traces (traced or not): gateway admission, tokenize, "
+            "route (this gateway replica's); decode reserve, prefill_call, kv_receive; prefill prefill, kv_send.",
+            labels=["tier", "phase"],
+        )
+        _add_histograms(phases, "gateway", PHASES["gateway"], [self.gateway_phases])
         unheard = GaugeMetricFamily(
             "pdserve_workers_silent",
             "Running replicas that did not answer this scrape's stats call in time "
@@ -179,12 +189,18 @@ class _WorkerCollector:
                     seconds += t.get("seconds_receiving", 0.0)
                     transfers += t.get("transfers_ok", 0)
             transfer_failures.add_metric([tier], failed)
-            for kind in KINDS:
-                hists = [s["step_seconds"][kind] for s in workers.values() if "step_seconds" in s]
-                if hists:
-                    counts = [sum(col) for col in zip(*(h["buckets"] for h in hists))]
-                    bounds = [*(str(b) for b in BUCKETS_S), "+Inf"]
-                    steps.add_metric([tier, kind], list(zip(bounds, counts)), sum_value=sum(h["sum"] for h in hists))
+            _add_histograms(steps, tier, KINDS, [s["step_seconds"] for s in workers.values() if "step_seconds" in s])
+            _add_histograms(phases, tier, PHASES.get(tier, ()), [s["phase_seconds"] for s in workers.values() if "phase_seconds" in s])
         transfer_bytes.add_metric([], received)
         transfer_seconds.add_metric([], count_value=transfers, sum_value=seconds)
-        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures, steps, unheard)
+        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures, steps, phases, unheard)
+
+
+def _add_histograms(family: HistogramMetricFamily, tier: str, labels, snapshots: list[dict]) -> None:
+    """One series per label of `tier`: the workers' Histograms snapshots (BUCKETS_S), summed."""
+    bounds = [*(str(b) for b in BUCKETS_S), "+Inf"]
+    for label in labels:
+        hists = [snapshot[label] for snapshot in snapshots if label in snapshot]
+        if hists:
+            counts = [sum(col) for col in zip(*(h["buckets"] for h in hists))]
+            family.add_metric([tier, label], list(zip(bounds, counts)), sum_value=sum(h["sum"] for h in hists))

@@ -287,13 +287,14 @@ class OpenAIServing:
         Leaving early (client gone, error) cancels every generation, which aborts it on
         every tier."""
         span = batch.trace
-        admission = span.child("admission", choices=batch.choices)
+        phases = self.router.metrics.phases
+        admission = span.child("admission", phases, choices=batch.choices)
         try:
             async with self.admitted(batch.api_key, batch.choices):
                 admission.end()
                 # Tokenizing a long prompt takes seconds of CPU: on a thread, where the tokenizer
                 # lets go of the GIL, so every other stream of this gateway goes on meanwhile.
-                with span.child("tokenize"):
+                with span.child("tokenize", phases):
                     jobs = await asyncio.to_thread(batch.jobs)
                 span.set(prompt_tokens=sum(len(job.request.prompt_token_ids) for job in jobs))
                 if len(jobs) == 1:  # the common case needs no tasks

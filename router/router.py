@@ -119,7 +119,7 @@ class Router:
         (cluster/errors.py) when a worker fails it, or StalledError when no token comes for
         stall_timeout_s once it streams; the workers it used are added to `avoid`."""
         span = trace.child("attempt", request_id=request_id, resumes_after=len(generated))
-        with span.child("route", policy=self.routing.policy) as route:
+        with span.child("route", self.metrics.phases, policy=self.routing.policy) as route:
             placement = await self.placer.place(request.prompt_token_ids, avoid=frozenset(avoid))
             route.set(prefill_worker=placement.prefill_worker, decode_worker=placement.decode_worker,
                       local_prefill=placement.local_prefill, fallback=placement.fallback,

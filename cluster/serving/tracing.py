@@ -5,11 +5,13 @@ configured (`--otlp-endpoint`).
     start(name, carrier, **attrs)    a span whose parent is in `carrier` (W3C trace context:
                                      an incoming `traceparent`, or what another tier sent)
     span.child(name, **attrs)        a span under it; span.carrier() for the next tier
+    span.child(name, phases)         a phase (PHASES): a span that also times itself into its
+                                     tier's histograms, traced or not
 
 Parents are always explicit (never the "current span" of a context variable): a request's
 code runs in async generators, on the engine's and the KV senders' threads, where an
-implicit context would not follow it. Off, every call is a no-op on NO_SPAN: nothing is
-imported, allocated or exported.
+implicit context would not follow it. Off, a span that is no phase is NO_SPAN, whose calls do
+nothing (nothing imported, allocated or exported); a phase only times itself.
 
 Each process exports its own spans (OTLP over HTTP, batched every 0.5 s); one trace id ties
 them together: gateway `request` > `admission`, `tokenize`, `generate` > `attempt` >
@@ -21,12 +23,23 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from cluster.engine.step_times import Histograms
 
 log = logging.getLogger(__name__)
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
+# A request's phases, each a span and, traced or not, a duration in its tier's histogram
+# (`pdserve_request_phase_seconds{tier, phase}`): what a trace shows for one request, the
+# histograms show for all.
+PHASES = {
+    "gateway": ("admission", "tokenize", "route"),
+    "decode": ("reserve", "prefill_call", "kv_receive"),
+    "prefill": ("prefill", "kv_send"),
+}
 ENDPOINT_ENV = "PDSERVE_OTLP_ENDPOINT"  # set in every replica's environment by the app (ClusterConfig.otlp_endpoint)
 EXPORT_DELAY_MS = 500
 
@@ -60,22 +73,28 @@ def enabled() -> bool:
 
 
 class Span:
-    """A span, or nothing (NO_SPAN) when tracing is off. A context manager that ends it,
+    """A span, or nothing (NO_SPAN) when tracing is off; a phase span (`phases` given) also
+    times itself into that histogram, traced or not. A context manager that ends it,
     recording an exception that escapes. Once ended it takes no more attributes, but may
     still have children (a KV part sent after its prompt's span ended)."""
 
-    __slots__ = ("_span", "_open")
+    __slots__ = ("_span", "_open", "_phase", "_started")
 
-    def __init__(self, span=None):
+    def __init__(self, span=None, phase: tuple[Histograms, str] | None = None):
         self._span = span
         self._open = span is not None
+        self._phase = phase
+        self._started = time.perf_counter() if phase is not None else 0.0
 
-    def child(self, name: str, **attributes: Any) -> Span:
+    def child(self, name: str, phases: Histograms | None = None, **attributes: Any) -> Span:
+        """A span under this one; with `phases`, also the phase `name`'s duration there."""
+        phase = (phases, name) if phases is not None else None
         if self._span is None:
-            return NO_SPAN
+            return NO_SPAN if phase is None else Span(None, phase)
         from opentelemetry.trace import set_span_in_context  # noqa: PLC0415 - on only
 
-        return Span(_tracer.start_span(name, context=set_span_in_context(self._span), attributes=_clean(attributes)))
+        span = _tracer.start_span(name, context=set_span_in_context(self._span), attributes=_clean(attributes))
+        return Span(span, phase)
 
     def set(self, **attributes: Any) -> None:
         if self._open:
@@ -86,7 +105,11 @@ class Span:
             self._span.add_event(name, _clean(attributes))
 
     def end(self, error: BaseException | None = None) -> None:
-        """End it (recording `error`); a second end does nothing."""
+        """End it (recording `error`) and observe its phase's duration; a second end does nothing."""
+        if self._phase is not None:
+            histograms, name = self._phase
+            self._phase = None
+            histograms.observe_as(name, time.perf_counter() - self._started)
         if not self._open:
             return
         self._open = False
@@ -118,16 +141,18 @@ class Span:
 NO_SPAN = Span()
 
 
-def start(name: str, carrier: Mapping[str, str] | Iterable[tuple[str, str]] = (), **attributes: Any) -> Span:
+def start(name: str, carrier: Mapping[str, str] | Iterable[tuple[str, str]] = (), phases: Histograms | None = None,
+          **attributes: Any) -> Span:
     """A span continuing the trace in `carrier` (W3C headers, or Span.carrier() of another
-    tier), or the first of a new trace."""
+    tier), or the first of a new trace; with `phases`, as Span.child's."""
+    phase = (phases, name) if phases is not None else None
     if _tracer is None:
-        return NO_SPAN
+        return NO_SPAN if phase is None else Span(None, phase)
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator  # noqa: PLC0415 - on only
 
     headers = dict(carrier.items() if isinstance(carrier, Mapping) else carrier)
     context = TraceContextTextMapPropagator().extract({k: v for k, v in headers.items() if k.lower() in TRACE_HEADERS})
-    return Span(_tracer.start_span(name, context=context, attributes=_clean(attributes)))
+    return Span(_tracer.start_span(name, context=context, attributes=_clean(attributes)), phase)
 
 
 def _clean(attributes: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import ray.util
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
+from cluster.engine.step_times import Histograms
 from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
 from cluster.kv.transport.builder import open_transport
@@ -38,6 +39,7 @@ class EngineWorker:
         self.replica = replica_unique_id()
         self.worker_id = worker_id(self.tier, self.replica)
         tracing.configure(f"pdserve-{self.tier}")
+        self.phases = Histograms(tracing.PHASES[self.tier])  # its requests' phase durations (stats: phase_seconds)
         self.engine = AsyncEngine(lambda: Engine(engine_config))
         layout = self.engine.kv_layout
         self.kv_caches = layout.caches
@@ -133,6 +135,7 @@ class EngineWorker:
             # Ranks 1..N-1 move their own KV heads, on transports of their own.
             "rank_transports": [await self._rank_call(a.transport_stats) for a in self._rank_actors],
             "index": self.index.counts if self.index else {},
+            "phase_seconds": self.phases.snapshot(),
         }
 
     @staticmethod

@@ -13,6 +13,7 @@ import grpc
 import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import RoutingConfig
 from cluster.serving import tracing
@@ -124,6 +125,11 @@ def test_a_chat_request_is_one_trace_across_the_three_processes(live, collector)
     for part in (s for s in spans if s["name"] in ("kv_send", "kv_receive")):
         assert part["attributes"]["path"] == "shared_memory" and part["attributes"]["bytes_rank0"] > 0
     assert not any(s["error"] for s in spans)
+    # The same phases, traced or not, as histograms per tier (every phase of this request seen).
+    families = {f.name: f for f in text_string_to_metric_families(live.scrape())}
+    seen = {(s.labels["tier"], s.labels["phase"]) for s in families["pdserve_request_phase_seconds"].samples
+            if s.name.endswith("_count") and s.value > 0}
+    assert {(tier, phase) for tier, phases in tracing.PHASES.items() for phase in phases} <= seen
 
 
 def test_a_grpc_generate_continues_the_callers_trace(live, collector):

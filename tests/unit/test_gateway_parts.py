@@ -32,6 +32,7 @@ from router.errors import (
     from_exception,
 )
 from router.grpc_serving import GrpcServing
+from router.metrics import GatewayMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.rate_limit import RateLimiter
 from router.readiness import Readiness
@@ -328,6 +329,7 @@ class EndlessRouter:
 
     def __init__(self):
         self.inputs = SimpleNamespace(process=lambda prompt, params: TokenizedRequest([1, 2, 3], params))
+        self.metrics = GatewayMetrics(replica="test")  # its phase histograms
         self.closed = asyncio.Event()
 
     def new_request_id(self) -> str:
