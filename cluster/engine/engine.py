@@ -394,8 +394,8 @@ class Engine:
 
     def _advance_grammar(self, state: _OutputState, new_ids: list[int]) -> bool:
         """Advance the request's grammar past its new tokens; True if that ends the request:
-        the grammar is complete (a stop), or it refused a token it had allowed (an abort,
-        which cannot happen unless the library errs: never an unconstrained continuation)."""
+        the grammar is complete (a stop), or it failed (an abort with the reason as the
+        request's error, never an unconstrained continuation)."""
         request_id = state.request.request_id
         if not state.constraint.advance(new_ids):
             # A grammar past the parser's limits mid-way (llguidance: "Current row has N
