@@ -97,3 +97,14 @@ class IndexedWorker:
 
     def evict_all(self):
         self.pool.reset_prefix_cache()
+
+
+def step_to_end(engine) -> dict[str, list[int]]:
+    """Step an Engine until nothing is unfinished, asserting its block invariant after every
+    step; the token ids each request produced."""
+    produced: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            produced.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.check_integrity()
+    return produced

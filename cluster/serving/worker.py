@@ -64,7 +64,10 @@ class EngineWorker:
     # ---- KV hand-off, every rank at once (cluster/kv/tp_transfer.py) -------------------
 
     def transfer_attributes(self, num_blocks: int, peer: KVEndpoint) -> dict:
-        """A KV transfer's trace attributes: its blocks, the bytes rank 0 moves, the path."""
+        """A KV transfer's trace attributes: its blocks, the bytes rank 0 moves, the path
+        (none with tracing off: nothing to compute per request)."""
+        if not tracing.enabled():
+            return {}
         return {"blocks": num_blocks, "bytes_rank0": num_blocks * self._block_bytes, "path": self.transport.path_to(peer)}
 
     def send_kv(self, decode_id: str, decode_endpoints: tuple[KVEndpoint, ...], part: Part, transfer_id: int,

@@ -13,6 +13,7 @@ import transformers
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from tests.helpers import step_to_end
 
 MAX_TOKENS = 12
 LOGPROB_ATOL = 1e-4  # fp32; observed differences are ~1e-6
@@ -83,11 +84,7 @@ def test_preemption_keeps_outputs_identical(tiny_llama):
     )
     ids = [tight.add_request(p, params) for p in prompts]
     requests = {rid: tight.scheduler.requests[rid] for rid in ids}
-    got = {rid: [] for rid in ids}
-    while tight.has_unfinished:
-        for out in tight.step():
-            got[out.request_id] += out.new_token_ids
-        tight.check_integrity()
+    got = step_to_end(tight)
     assert sum(r.num_preemptions for r in requests.values()) > 0
     assert [got[rid] for rid in ids] == expected
     assert tight.pool.num_used_blocks == 0

@@ -17,6 +17,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured_outputs import StructuredOutputs
 from cluster.errors import InvalidRequestError
 from cluster.model.builtin import builtin_model_path
+from tests.helpers import step_to_end
 
 PERSON = {
     "type": "object",
@@ -148,11 +149,7 @@ def test_preempted_constrained_requests_recompute_and_answer_as_if_never_preempt
                                    cache=CacheConfig(block_size=16, num_blocks=14), scheduler=SchedulerConfig(max_num_batched_tokens=64))
     ids = [tight.add(TokenizedRequest(p, params)) for p in prompts]
     requests = {rid: tight.scheduler.requests[rid] for rid in ids}
-    got = {rid: [] for rid in ids}
-    while tight.has_unfinished:
-        for out in tight.step():
-            got[out.request_id] += out.new_token_ids
-        tight.check_integrity()
+    got = step_to_end(tight)
     assert sum(r.num_preemptions for r in requests.values()) > 0
     assert [got[rid] for rid in ids] == expected
     assert tight.pool.num_used_blocks == 0
