@@ -129,8 +129,11 @@ class GrpcServing:
         """Validate the request, admit it, tokenize it (off the event loop) and validate its
         prompt, all before any work; then stream. `trace`: the call's span (ended here)."""
         try:
-            async for message in self._stream(request, api_key, trace):
-                yield message
+            # aclosing: a cancelled call closes the inner stream now (aborting the request on
+            # every tier), not whenever the abandoned generator is collected.
+            async with aclosing(self._stream(request, api_key, trace)) as messages:
+                async for message in messages:
+                    yield message
         except Exception as e:
             trace.end(e)
             raise
