@@ -79,7 +79,7 @@ class RankWorker:
     def open_transport(self, role: str, worker_id: str, transport: TransportConfig) -> KVEndpoint:
         """This rank's KV transport; returns its endpoint, which the peers' ranks pass."""
         self.transport = open_transport(role, rank_peer_id(worker_id, self.rank), self.config.device, transport,
-                                        host=ray.util.get_node_ip_address())
+                                        host=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id())
         return self.transport.endpoint
 
     def send_pieces(self, pieces, decode_id, decode_endpoints, part, transfer_id, abandon=False) -> None:

@@ -25,7 +25,7 @@ SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 def init(num_cpus: int, api_host: str = LOOPBACK, api_ports: Iterable[int] = (), log_to_driver: bool = True) -> None:
     """Start the local Ray. `api_host`, `api_ports`: where Serve's proxies may serve the API
     (with `--ingress proxy`); every other listener binds loopback."""
-    _single_node_mode()
+    single_node_mode()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
              _system_config=dict(RAY_SYSTEM_CONFIG), runtime_env=runtime_env(api_host, api_ports))
     node_ip = ray.util.get_node_ip_address()
@@ -41,11 +41,11 @@ def connect(address: str | None, log_to_driver: bool = True) -> None:
     single-node mode, or Ray would wait for a node at this host's network address."""
     bootstrap = services.get_ray_address_from_environment(address or "auto", None)
     if bootstrap and ":" in bootstrap and is_loopback(bootstrap.rsplit(":", 1)[0]):
-        _single_node_mode()
+        single_node_mode()
     ray.init(address=address or "auto", include_dashboard=False, log_to_driver=log_to_driver)
 
 
-def _single_node_mode() -> None:
+def single_node_mode() -> None:
     # The processes Ray starts inherit the variable; this one read it when it imported Ray.
     os.environ[SINGLE_NODE_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False

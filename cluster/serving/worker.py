@@ -55,7 +55,7 @@ class EngineWorker:
         self.transport = None
         if transport is not None:
             self.transport = open_transport(self.tier, self.worker_id, engine_config.device, transport,
-                                            host=ray.util.get_node_ip_address())
+                                            host=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id())
             others = [a.open_transport.remote(self.tier, self.worker_id, transport) for a in self._rank_actors]
             self.rank_endpoints: tuple[KVEndpoint, ...] = (self.transport.endpoint, *ray.get(others))  # each rank's
             self._transfer_wait_s = 4 * transport.timeout_s  # a rank's pieces: rendezvous + send, each bounded
@@ -131,6 +131,7 @@ class EngineWorker:
             "worker_id": self.worker_id,
             "tier": self.tier,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "ranks": self.engine.rank_info(),
             **await self.engine.call(Engine.checked_stats),
             **self.tier_stats(),

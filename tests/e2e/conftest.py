@@ -60,12 +60,18 @@ class LiveCluster:
         decode_tp: int = 1,
         colocated: bool = False,
         otlp_endpoint: str | None = None,
+        resources: dict[str, dict[str, float]] | None = None,
     ):
+        """`resources`: custom Ray resources each replica of a tier ("prefill", "decode",
+        "router") asks for, which place it on the nodes that declare them."""
+        resources = resources or {}
         config = ClusterConfig(
             engine=engine or self.engine_config,
-            prefill=TierConfig(num_replicas=prefills, num_cpus=0.5, tensor_parallel_size=prefill_tp),
-            decode=TierConfig(num_replicas=decodes, num_cpus=0.5, drain_timeout_s=drain_timeout_s, tensor_parallel_size=decode_tp),
-            router=TierConfig(num_replicas=gateways, num_cpus=0.1),
+            prefill=TierConfig(num_replicas=prefills, num_cpus=0.5, tensor_parallel_size=prefill_tp,
+                               resources=resources.get("prefill")),
+            decode=TierConfig(num_replicas=decodes, num_cpus=0.5, drain_timeout_s=drain_timeout_s, tensor_parallel_size=decode_tp,
+                              resources=resources.get("decode")),
+            router=TierConfig(num_replicas=gateways, num_cpus=0.1, resources=resources.get("router")),
             transport=transport,
             redis_url=redis_url or self.redis.url,
             gateway=gateway,

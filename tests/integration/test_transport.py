@@ -199,16 +199,20 @@ def _decode_transfers_concurrently(endpoints, transfers, timeout_s):
         return {"outcomes": outcomes, "stats": kv.stats(), "caches": to_bytes(caches)}
 
 
-def _prefill_transfers(endpoints, transfers, timeout_s, faults=None, delays=None, shared_memory=True, block_shm=False):
-    """block_shm: the name of the first shared-memory slot is taken, so none can be made."""
+def _prefill_transfers(endpoints, transfers, timeout_s, faults=None, delays=None, shared_memory=True, block_shm=False,
+                       node_id=""):
+    """block_shm: the name of the first shared-memory slot is taken, so none can be made;
+    node_id: the Ray node the sender says it runs on (the receiver's is "")."""
     caches = random_caches(PREFILL_SEED)
     blocker = shm_slots.next_slot_path(shm_slots.CAPACITY_STEP)
     if block_shm:
         open(blocker, "w").close()
     try:
-        with Transport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults, shared_memory=shared_memory) as kv:
+        with Transport("prefill", "p0", "cpu", timeout_s=timeout_s, fault_injection=faults, shared_memory=shared_memory,
+                       node_id=node_id) as kv:
             peer = _swap_as_prefill(endpoints, kv)
             kv.connect("d0", peer)
+            path = kv.path_to(peer)
             outcomes = {}
             for tid, src, _dst in transfers:
                 time.sleep((delays or {}).get(tid, 0.0))
@@ -219,7 +223,7 @@ def _prefill_transfers(endpoints, transfers, timeout_s, faults=None, delays=None
         if block_shm:
             os.unlink(blocker)
     left = glob.glob(os.path.join(shm_slots.SHM_DIR, f"{shm_slots.PREFIX}{os.getpid()}-*"))  # this sender's files, after close
-    return {"outcomes": outcomes, "stats": stats, "sent": sent, "files_left": left}
+    return {"outcomes": outcomes, "stats": stats, "sent": sent, "files_left": left, "path": path}
 
 
 def _prefill_parts(endpoints, transfers, timeout_s, parts, abandon_at=None, faults=None, shared_memory=True):
@@ -317,15 +321,18 @@ def test_fault_injection_selection():
 TRANSFERS = [(10, [3, 7, 1], [0, 5, 2]), (11, [0], [7]), (12, [2, 4, 5, 6], [1, 3, 4, 6])]
 
 
-@pytest.mark.parametrize("path", ["shared_memory", "sockets", "shared_memory_unavailable"])
+@pytest.mark.parametrize("path", ["shared_memory", "sockets", "shared_memory_unavailable", "another_ray_node"])
 def test_transfers_between_processes_are_exact_and_counted(children, path):
-    """On one host the payload goes through shared memory; over the group's sockets when
-    that is off, or when no shared-memory slot can be made (here: its name is taken)."""
+    """On one Ray node the payload goes through shared memory; over the group's sockets when
+    that is off, when no shared-memory slot can be made (here: its name is taken), or when
+    the peers are on different Ray nodes, though on one host with one IP."""
     decode, prefill = children.run(
         _decode_transfers, _prefill_transfers, (TRANSFERS, 10.0),
-        (TRANSFERS, 10.0, None, None, path != "sockets", path == "shared_memory_unavailable"),
+        (TRANSFERS, 10.0, None, None, path != "sockets", path == "shared_memory_unavailable",
+         "node-b" if path == "another_ray_node" else ""),
     )
     assert prefill["files_left"] == []  # the sender's slot files go with its transport
+    assert prefill["path"] == ("shared_memory" if path in ("shared_memory", "shared_memory_unavailable") else "sockets")
 
     assert all(o[0] == "ok" for o in decode["outcomes"].values()), decode["outcomes"]
     assert all(o[0] == "ok" for o in prefill["outcomes"].values()), prefill["outcomes"]

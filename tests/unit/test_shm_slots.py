@@ -58,3 +58,17 @@ def test_files_of_dead_senders_are_swept_and_live_ones_kept():
         for path in (dead_file, live_file):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_processes_share_a_memory_domain_exactly_when_they_see_the_same_shm(tmp_path, monkeypatch):
+    """The domain names what /dev/shm a process sees, not its host or IP: another process
+    on it reads the same one; a process whose /dev/shm is elsewhere (a container's own)
+    gets a different one, though on the same host."""
+    here = shm_slots.memory_domain()
+    other = subprocess.run([sys.executable, "-c", "from cluster.kv.transport import shm_slots; print(shm_slots.memory_domain())"],
+                           capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == here and len(here) == 32
+    monkeypatch.setattr(shm_slots, "SHM_DIR", str(tmp_path))
+    elsewhere = shm_slots.memory_domain()
+    assert elsewhere != here and shm_slots.memory_domain() == elsewhere
+    assert os.listdir(tmp_path) == [shm_slots.DOMAIN_FILE]  # the draft it linked from is gone

@@ -8,6 +8,8 @@ their mappings for the next transfer, and a receiver keeps the mappings it has o
                            the receiver's ack; drop(slot) after a failure (the receiver
                            may still read it: never reused); close()
     SlotViews  (receiver)  view(pid, index, capacity) -> the sender's file, mapped once
+    memory_domain()        the same string in every process that sees this /dev/shm
+
 
 Files are /dev/shm/pdserve-kv-<pid>-<index>-<capacity>: the pid lets a starting sender
 remove the files of senders on this node that died (sweep_dead_senders). An index is
@@ -20,6 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -27,6 +30,7 @@ import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "pdserve-kv-"
+DOMAIN_FILE = "pdserve-memory-domain"
 CAPACITY_STEP = 8 << 20  # capacities round up to this, so a file serves payloads of similar size
 MAX_IDLE_BYTES = 1 << 30  # a sender keeps at most this much in idle files
 MAX_VIEWS = 64  # mappings a receiver keeps
@@ -50,6 +54,30 @@ def next_slot_path(capacity: int) -> str:
 
 def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def memory_domain() -> str:
+    """A random id that the first caller writes to /dev/shm and every later one reads:
+    two processes get the same one exactly when they share /dev/shm, whatever their IPs
+    (containers on one host with their own /dev/shm, or hosts behind one NAT address, do
+    not). Published by an atomic link, so no reader sees a half-written file."""
+    path = os.path.join(SHM_DIR, DOMAIN_FILE)
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        pass
+    draft = f"{path}.{os.getpid()}.{uuid.uuid4().hex}"
+    with open(draft, "w") as f:
+        f.write(uuid.uuid4().hex)
+    try:
+        os.link(draft, path)  # fails if another process published first: read theirs
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(draft)
+    with open(path) as f:
+        return f.read()
 
 
 def slot_path(pid: int, index: int, capacity: int) -> str:

@@ -84,11 +84,12 @@ PREFILL_RANK, DECODE_RANK = 0, 1
 class StoreEndpoint(KVEndpoint):
     """A TorchDistTransport's endpoint: its host, and the decode side's rendezvous store
     port or the prefill side's session (new per transport: a restarted worker gets fresh
-    groups)."""
+    groups); `memory`: the shared memory it reads and writes payloads through (None: none)."""
 
     host: str
     store_port: int | None = None  # decode side
     session: str | None = None  # prefill side
+    memory: str | None = None  # "<Ray node>/<shm_slots.memory_domain()>"
 
 
 class _SenderFailed(Exception):
@@ -153,8 +154,11 @@ class _Counters:
 class TorchDistTransport(KVTransport):
     """host: this worker's reachable address; the decode side's store and every gloo
     connection listen on it.
-    shared_memory: a CPU payload to a decode worker on this host goes through a
-    shared-memory file rather than the group's sockets.
+    shared_memory: a CPU payload to a decode worker that shares this worker's memory goes
+    through a shared-memory file rather than the group's sockets.
+    node_id: the Ray node this worker runs on. Workers share memory when they are on the
+    same Ray node and see the same /dev/shm (shm_slots.memory_domain), never by IP alone:
+    two Ray nodes on one machine move KV over the sockets, as Ray's own object stores do.
     """
 
     def __init__(
@@ -167,6 +171,7 @@ class TorchDistTransport(KVTransport):
         fault_injection: FaultInjection | None = None,
         idle_timeout_s: float = 600.0,
         shared_memory: bool = True,
+        node_id: str = "",
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
@@ -181,6 +186,8 @@ class TorchDistTransport(KVTransport):
         self.idle_timeout_s = float(idle_timeout_s)
         self.host = host
         self.shared_memory = shared_memory and self.device.type == "cpu" and shm_slots.available()
+        self._memory = self._memory_domain(node_id) if self.shared_memory else None
+        self.shared_memory = self._memory is not None
         self._slots = shm_slots.SlotPool() if self.shared_memory and role == "prefill" else None
         self._views = shm_slots.SlotViews() if role == "decode" else None
         if self._slots is not None:
@@ -199,11 +206,18 @@ class TorchDistTransport(KVTransport):
         else:
             self._session = uuid.uuid4().hex[:8]
 
+    def _memory_domain(self, node_id: str) -> str | None:
+        try:
+            return f"{node_id}/{shm_slots.memory_domain()}"
+        except OSError as e:
+            log.warning("%s: no shared memory for KV transfers (%s); sending over sockets", self.worker_id, e)
+            return None
+
     @property
     def endpoint(self) -> StoreEndpoint:
         if self._store is not None:
-            return StoreEndpoint(self.host, store_port=self._store.port)
-        return StoreEndpoint(self.host, session=self._session)
+            return StoreEndpoint(self.host, store_port=self._store.port, memory=self._memory)
+        return StoreEndpoint(self.host, session=self._session, memory=self._memory)
 
     # ---- groups ---------------------------------------------------------------------
 
@@ -287,7 +301,7 @@ class TorchDistTransport(KVTransport):
                 self._count(transfers_failed=1)
                 failure = KVTransferError(f"{self.worker_id}: injected fault: transfer {transfer_id} with {peer_id!r} not sent")
             else:
-                shared = self._on_this_host(pair) and len(block_ids) > 0
+                shared = self._slots is not None and self._shares_memory_with(peer) and len(block_ids) > 0
                 shared = shared and self._send_shared(pg, kv_caches, block_ids, geometry, transfer_id, first, total)
                 if not shared:
                     header = wire.header(transfer_id, first, len(block_ids), total, geometry)  # [13]
@@ -470,16 +484,13 @@ class TorchDistTransport(KVTransport):
         unpack_blocks(kv_caches, part, packed)
         return n, False
 
-    def _on_this_host(self, pair: _Pair) -> bool:
-        return self._slots is not None and self._shares_memory_with(pair.store_address[0])
-
-    def _shares_memory_with(self, host: str) -> bool:
-        return self.shared_memory and host == self.host
+    def _shares_memory_with(self, peer: StoreEndpoint) -> bool:
+        return self.shared_memory and peer.memory is not None and peer.memory == self._memory
 
     def path_to(self, peer: KVEndpoint) -> str:
         if self.device.type != "cpu":
             return "nccl"
-        return "shared_memory" if self._shares_memory_with(peer.host) else "sockets"
+        return "shared_memory" if self._shares_memory_with(peer) else "sockets"
 
     def _send_shared(
         self, pg, kv_caches: KVCaches, block_ids: Sequence[int], geometry: CacheGeometry, transfer_id: int, first: int, total: int
