@@ -1,16 +1,19 @@
 """`pdserve bench chaos`: a `bench serve` workload against a local cluster while its
 replicas are killed (SIGKILL), hung (SIGSTOP, SIGCONT after --hang-s) or stopped
-(SIGTERM), and the client itself drops a fraction of the requests; then the checks a
-client of a fault-tolerant server relies on:
+(SIGTERM), or, with --nodes (each replica on a Ray node of its own), whole nodes fail
+(NODE: the raylet and every process on it, SIGKILL; a fresh node of the tier joins at
+once, as the autoscaler would add one), and the client itself drops a fraction of the
+requests; then the checks a client of a fault-tolerant server relies on:
 
     failed          requests the client did not drop that did not complete      (0)
     mismatched      completed texts unlike an offline greedy run of the prompt  (0)
     leaked_blocks   KV blocks in use on any replica once the cluster is idle    (0)
 
 --kill takes TIER:SIGNAL@STARTs[/EVERYs], comma-separated, e.g.
-`decode:SIGKILL@5s,prefill:SIGKILL@12s` or `decode:SIGKILL@60s/120s` (at 60 s, then
-every 120 s while the load runs). The victim is the tier's replica holding the most
-requests; Serve starts a replacement for a dead one.
+`decode:SIGKILL@5s,prefill:SIGKILL@12s`, `decode:SIGKILL@60s/120s` (at 60 s, then
+every 120 s while the load runs) or `decode:NODE@20s` (with --nodes). The victim is the
+tier's replica holding the most requests (or its node); Serve starts a replacement for
+a dead one.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from cluster.bench.sweep_compare import local_cluster, local_ray, local_target
 from cluster.config import APP_NAME, CacheConfig, EngineConfig, RoutingConfig
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.host.local_nodes import LocalNodes
 from cluster.model.builtin import builtin_model_path
 
-SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM")
+SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM", "NODE")
 VICTIM_STATS_DEADLINE_S = 3.0  # how long picking a victim waits for the replicas' stats
 FAULT = re.compile(rf"^(prefill|decode):({'|'.join(SIGNALS)})@(\d+(?:\.\d+)?)s(?:/(\d+(?:\.\d+)?)s)?$")
 
@@ -68,9 +72,9 @@ class FaultInjector(threading.Thread):
     """Injects the faults on schedule (seconds from start()) until stop(); every replica
     it hung is continued by stop() at the latest."""
 
-    def __init__(self, handle, faults: list[Fault], hang_s: float):
+    def __init__(self, handle, faults: list[Fault], hang_s: float, nodes: LocalNodes | None = None):
         super().__init__(daemon=True, name="chaos")
-        self.handle, self.faults, self.hang_s = handle, faults, hang_s
+        self.handle, self.faults, self.hang_s, self.nodes = handle, faults, hang_s, nodes
         self.injected: list[dict] = []
         self._stopped = threading.Event()
         self._hung: dict[int, threading.Timer] = {}  # pid -> its SIGCONT
@@ -102,11 +106,16 @@ class FaultInjector(threading.Thread):
             return {**record, "skipped": "no live replica"}
         victim = max(stats, key=lambda s: (s["running"] + s["waiting"], random.random()))
         pid = victim["pid"]
+        record.update(worker_id=victim["worker_id"], pid=pid, requests=victim["running"] + victim["waiting"])
+        if fault.signal == "NODE":
+            node = self.nodes.by_id(victim["node_id"])
+            self.nodes.kill(node.name)
+            return {**record, "node": node.name, "replacement": self.nodes.add_tier_node(fault.tier).name}
         os.kill(pid, getattr(signal, fault.signal))
         if fault.signal == "SIGSTOP":
             self._hung[pid] = threading.Timer(self.hang_s, self._resume, (pid,))
             self._hung[pid].start()
-        return {**record, "worker_id": victim["worker_id"], "pid": pid, "requests": victim["running"] + victim["waiting"]}
+        return record
 
     def _resume(self, pid: int) -> None:
         try:
@@ -170,14 +179,16 @@ def run_chaos(args) -> int:
     if not 0.0 <= args.abort_ratio <= 1.0:
         raise ValueError(f"--abort-ratio must be within [0, 1], got {args.abort_ratio}")
     faults = parse_faults(args.kill)
+    if any(f.signal == "NODE" for f in faults) and not args.nodes:
+        raise ValueError("--kill TIER:NODE@...: node faults need --nodes (each replica on a Ray node of its own)")
     args.local_model = args.local_model or str(builtin_model_path())
     routing = RoutingConfig(migration_limit=args.migration_limit, stall_timeout_s=args.stall_timeout_s)
     replicas = {"decode": target.decode} if target.colocated else {"prefill": target.prefill, "decode": target.decode}
-    with local_ray(args), local_cluster(args.target, args, routing) as url:
+    with local_ray(args, target if args.nodes else None) as nodes, local_cluster(args.target, args, routing, args.nodes) as url:
         run_args = copy.copy(args)
         run_args.base_url, run_args.model, run_args.tokenizer = url, None, args.local_model
         handle = serve.get_app_handle(APP_NAME)
-        injector = FaultInjector(handle, faults, args.hang_s)
+        injector = FaultInjector(handle, faults, args.hang_s, nodes)
         try:
             result, work, results = measure(run_args, abort_plan(args.abort_ratio, args.seed), on_start=injector.start)
         finally:
@@ -193,6 +204,7 @@ def run_chaos(args) -> int:
     server = result.get("server_metrics") or {}
     chaos = {
         "target": args.target,
+        "nodes": args.nodes,
         "requests": len(results),
         "completed": result["completed"],
         "aborted": result["aborted"],

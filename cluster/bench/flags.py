@@ -129,7 +129,10 @@ def add_chaos_flags(p) -> None:
     add_local_target_flags(p)
     p.set_defaults(dtype="float32", local_model=None)  # float32: greedy text comparable with the offline run
     p.add_argument("--target", default="1p2d", help="local configuration: '<P>p<D>d[:routing]' or 'colocated'")
-    p.add_argument("--kill", default="decode:SIGKILL@5s", help="TIER:SIGNAL@STARTs[/EVERYs],... (SIGKILL, SIGSTOP, SIGTERM)")
+    p.add_argument("--kill", default="decode:SIGKILL@5s",
+                   help="TIER:SIGNAL@STARTs[/EVERYs],... (SIGKILL, SIGSTOP, SIGTERM; NODE with --nodes)")
+    p.add_argument("--nodes", action="store_true",
+                   help="each replica on a Ray node of its own on this machine (KV moves over TCP between them)")
     p.add_argument("--hang-s", type=float, default=10.0, help="a SIGSTOPped replica is continued after this long")
     p.add_argument("--abort-ratio", type=float, default=0.0, help="fraction of requests the client drops mid-way")
     p.add_argument("--migration-limit", type=int, default=RoutingConfig().migration_limit)

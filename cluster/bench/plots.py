@@ -114,7 +114,7 @@ def plot_chaos(chaos: dict, path: Path) -> Path:
     series = chaos["output_throughput_over_time"]
     ax.plot(range(len(series)), series, drawstyle="steps-post", color="#4c72b0")
     ax.set_ylim(bottom=0)
-    colors = {"SIGKILL": "#c44e52", "SIGSTOP": "#dd8452", "SIGTERM": "#8172b3"}
+    colors = {"SIGKILL": "#c44e52", "SIGSTOP": "#dd8452", "SIGTERM": "#8172b3", "NODE": "#937860"}
     for fault in chaos["faults"]:
         if "pid" in fault:
             ax.axvline(fault["t_s"], color=colors[fault["signal"]], linestyle="--", alpha=0.8)

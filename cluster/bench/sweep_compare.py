@@ -39,10 +39,11 @@ from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.provenance import write_result
 from cluster.bench.serve_bench import run_once
 from cluster.config import APP_NAME, ClusterConfig, RoutingConfig, TierConfig
+from cluster.host import local_nodes
 from cluster.launch.app import build_app
 from cluster.launch.ports import free_port
 from cluster.launch.redis_server import PrivateRedis
-from cluster.launch.serve import on_this_machine, start_local_ray
+from cluster.launch.serve import on_this_machine, start_local_nodes, start_local_ray
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -133,35 +134,51 @@ def parse_target(spec: str):
 
 
 @contextmanager
-def local_ray(args):
+def local_ray(args, nodes_for: LocalTarget | None = None):
     """A local Ray with Serve's HTTP proxy on a free port and a private redis-server, for
-    local targets (sets args._http_port and args._redis, which local_cluster reads)."""
-    start_local_ray(max(4, os.cpu_count() or 1), args.ingress, log_to_driver=False)
+    local targets (sets args._http_port and args._redis, which local_cluster reads).
+    `nodes_for`: a Ray of several nodes instead, one per replica of that target's tiers
+    (cluster/host/local_nodes.py), yielded; deploy with local_cluster(nodes=True)."""
+    cpus = max(4, os.cpu_count() or 1)
+    nodes = None
+    if nodes_for is None:
+        start_local_ray(cpus, args.ingress, log_to_driver=False)
+    else:
+        nodes = start_local_nodes(cpus, args.ingress, log_to_driver=False)
     args._redis = None
     try:
+        if nodes is not None:
+            for tier, replicas in (("prefill", nodes_for.prefill), ("decode", nodes_for.decode)):
+                for _ in range(replicas):
+                    nodes.add_tier_node(tier)
         args._http_port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": args._http_port})
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args._http_port})
         args._redis = PrivateRedis()
-        yield
+        yield nodes
     finally:
         serve.shutdown()
+        if nodes is not None:
+            nodes.shutdown()
         ray.shutdown()
         if args._redis is not None:
             args._redis.stop()
 
 
 @contextmanager
-def local_cluster(spec: str, args, routing: RoutingConfig | None = None):
+def local_cluster(spec: str, args, routing: RoutingConfig | None = None, nodes: bool = False):
     """Deploy `spec` on the local Ray (local_ray) and yield its base URL. `routing`
-    overrides the placement settings (its policy comes from the spec)."""
+    overrides the placement settings (its policy comes from the spec); `nodes`: each
+    replica on a node of its tier (local_ray's `nodes_for`)."""
     target = local_target(spec)
     threads = target.threads or args.torch_threads
-    decode = TierConfig(num_replicas=target.decode, num_cpus=0.5, torch_threads=threads)
+    resources = local_nodes.placement() if nodes else {}
+    decode = TierConfig(num_replicas=target.decode, num_cpus=0.5, torch_threads=threads, resources=resources.get("decode"))
     config = ClusterConfig(
         engine=local_engine_config(args, served_model_name="bench"),
-        prefill=decode if target.colocated else dataclasses.replace(decode, num_replicas=target.prefill),
+        prefill=decode if target.colocated else dataclasses.replace(decode, num_replicas=target.prefill,
+                                                                    resources=resources.get("prefill")),
         decode=decode,
-        router=TierConfig(num_cpus=0.1),
+        router=TierConfig(num_cpus=0.1, resources=resources.get("router")),
         colocated=target.colocated,
         engine_cores=target.engine_cores,
         redis_url=args._redis.url,

@@ -22,6 +22,7 @@ from cluster.config import APP_NAME, ClusterConfig, GatewayConfig, from_dict
 from cluster.engine.runner import check_kv_cache_fits, kv_cache_dtype, rank_kv_cache_bytes
 from cluster.host import engine_cores, local_ray
 from cluster.host.bind_policy import LOOPBACK, is_loopback
+from cluster.host.local_nodes import LocalNodes
 from cluster.host.openmp import usable_cpus, waiting_env
 from cluster.kv.redis_client import split_password_file
 from cluster.launch import ingress
@@ -144,6 +145,14 @@ def start_local_ray(num_cpus: int, ingress_mode: str, log_to_driver: bool = True
     with ingress.settings(ingress_mode, max_message_bytes) as mode:
         local_ray.init(num_cpus, api_host, api_ports, log_to_driver=log_to_driver)
     return mode
+
+
+def start_local_nodes(head_cpus: int, ingress_mode: str, log_to_driver: bool = True) -> LocalNodes:
+    """A Ray of several nodes on this machine (cluster/host/local_nodes.py), the head's
+    Serve reaching its gateways by `ingress_mode`; serve.start it with proxy_location
+    "HeadOnly" (the nodes share one address: proxies on each would contend for the port)."""
+    with ingress.settings(ingress_mode):
+        return LocalNodes(head_cpus, log_to_driver=log_to_driver)
 
 
 def check_exposure(host: str, config: ClusterConfig, allow_unauthenticated: bool) -> None:

@@ -19,11 +19,12 @@ def run_chaos(model, out_dir, *extra) -> tuple[subprocess.CompletedProcess, dict
             # each; the tiny one's could all end between the stats call that picks the victim
             # and the kill): at the kill (1.5 s) every request sent so far is still streaming.
             "--dataset-name", "random", "--random-input-len", "48", "--random-output-len", "400", "--ignore-eos",
-            "--request-rate", "4", "--kill", "decode:SIGKILL@1.5s", "--result-dir", str(out_dir), "--disable-tqdm",
+            "--request-rate", "4", "--result-dir", str(out_dir), "--disable-tqdm",
             # A kill breaks the streams at once; the stall timeout is for hung replicas, and a
             # migrated stream that waits for its re-prefill on 2 busy cores must not move again.
             "--stall-timeout-s", "60",
             *extra,
+            *([] if "--kill" in extra else ["--kill", "decode:SIGKILL@1.5s"]),
         ],
         capture_output=True, text=True, timeout=600,
     )
@@ -40,6 +41,18 @@ def test_a_killed_decode_replica_costs_no_request_and_no_block(wide_model, tmp_p
     assert chaos["migrated"] >= 1
     assert chaos["replicas_at_end"] == {"prefill": 1, "decode": 2}  # Serve replaced the dead one
     assert "PASS" in proc.stdout and (tmp_path / "chaos.png").stat().st_size > 0
+
+
+def test_a_decode_node_lost_under_load_costs_no_request_and_no_block(wide_model, tmp_path):
+    """--nodes: each replica on a Ray node of its own; the busiest decode replica's whole
+    node dies (raylet and all), and a fresh node takes its replacement."""
+    proc, chaos = run_chaos(wide_model, tmp_path, "--num-prompts", "12", "--nodes", "--kill", "decode:NODE@1.5s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (fault,) = chaos["faults"]
+    assert fault["signal"] == "NODE" and fault["requests"] > 0 and fault["node"] != fault["replacement"]
+    assert chaos["failed"] == 0 and chaos["mismatched"] == 0 and chaos["leaked_blocks"] == {}
+    assert chaos["completed"] == 12 and chaos["migrated"] >= 1
+    assert chaos["replicas_at_end"] == {"prefill": 1, "decode": 2}  # the replacement runs on the new node
 
 
 def test_without_migration_the_same_kill_is_reported_as_failed_requests(wide_model, tmp_path):

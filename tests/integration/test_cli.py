@@ -72,6 +72,7 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, tiny_llama):
         # nothing listens on port 1: the bench cannot ask the server for its model
         ("bench", "serve", "--base-url", "http://127.0.0.1:1", "--tokenizer", str(tiny_llama), "--num-prompts", "1"),
         ("bench", "engine", "--model", str(tiny_llama), "--batch-sizes", "0"),
+        ("bench", "chaos", "--kill", "decode:NODE@1s"),  # a node fault without --nodes
     ]
     for args, r in zip(cases, run_all([[*PDSERVE, *args] for args in cases])):
         assert r.returncode == 2, (args, r.stderr)

@@ -1,8 +1,9 @@
 """The cluster of tests/e2e on several Ray nodes of this machine (cluster/host/local_nodes.py):
 the head (Serve's controller and proxy, the gateway), one prefill node and two decode
 nodes, each tier placed by the custom resources deploy/cluster.yaml's node types declare.
-Each decode replica asks for a whole node's `decode_node`, so the two run on different
-nodes and a dead node's replacement waits for a new one, as on a real cluster.
+Each prefill or decode replica takes a node of its tier to itself, so the two decode
+replicas run on different nodes and a dead node's replacement waits for a new one, as on
+a real cluster (cluster/host/local_nodes.py: placement).
 
 Its own package: one process holds one Ray, and tests/e2e's is a single-node one."""
 
@@ -12,13 +13,11 @@ import pytest
 from ray import serve
 
 from cluster.config import APP_NAME, CacheConfig, EngineConfig, RoutingConfig, SchedulerConfig
-from cluster.host.local_nodes import LocalNodes
-from cluster.launch import ingress
+from cluster.host.local_nodes import LocalNodes, placement
 from cluster.launch.ports import free_port
 from cluster.launch.redis_server import PrivateRedis
+from cluster.launch.serve import start_local_nodes
 from tests.e2e.conftest import MODEL_NAME, LiveCluster
-
-PLACEMENT = {"router": {"gateway_node": 0.01}, "prefill": {"prefill_node": 0.01}, "decode": {"decode_node": 1}}
 
 
 @dataclasses.dataclass
@@ -27,18 +26,16 @@ class NodesCluster(LiveCluster):
 
     def redeploy(self, **kwargs):
         # Every prompt is prefilled on the prefill node (none computed where it decodes).
-        return super().redeploy(**{"resources": PLACEMENT, "decodes": 2, "routing": RoutingConfig(max_local_prefill_tokens=0),
+        return super().redeploy(**{"resources": placement(), "decodes": 2, "routing": RoutingConfig(max_local_prefill_tokens=0),
                                    **kwargs})
 
 
 @pytest.fixture(scope="module")
 def nodes():
-    with ingress.settings("auto"):
-        local = LocalNodes(head_cpus=2, head_resources={"gateway_node": 1})
+    local = start_local_nodes(2, "auto", log_to_driver=False)
     try:
-        local.add("prefill-1", 1, {"prefill_node": 1})
-        for name in ("decode-1", "decode-2"):
-            local.add(name, 1, {"decode_node": 1})
+        for tier in ("prefill", "decode", "decode"):
+            local.add_tier_node(tier)
         yield local
     finally:
         local.shutdown()

@@ -35,7 +35,7 @@ def transport_totals(live) -> dict[str, dict[str, int]]:
 def test_each_tier_runs_on_nodes_of_its_own(live, nodes):
     prefill, decode = worker_stats(live, "prefill"), worker_stats(live, "decode")
     assert {s["node_id"] for s in prefill} == {nodes.nodes["prefill-1"].node_id}
-    assert sorted(s["node_id"] for s in decode) == sorted(nodes.nodes[n].node_id for n in ("decode-1", "decode-2"))
+    assert sorted(s["node_id"] for s in decode) == sorted(nodes.nodes[n].node_id for n in ("decode-2", "decode-3"))
     assert nodes.head.node_id not in {s["node_id"] for s in prefill + decode}
 
 
@@ -91,6 +91,6 @@ def test_a_decode_node_lost_mid_stream_loses_no_stream_and_leaks_nothing(live, c
     assert wait_until(lambda: not index.exists(worker_key(victim["worker_id"])), timeout_s=30)  # heartbeats stopped
 
     # A new node (what the autoscaler would add) takes the replacement replica.
-    fresh = nodes.add("decode-3", 1, {"decode_node": 1})
+    fresh = nodes.add_tier_node("decode")
     assert wait_until(lambda: fresh.node_id in {s["node_id"] for s in worker_stats(live, "decode")}, timeout_s=120)
     assert Streams(client, PROMPTS, 8).texts() == reference(PROMPTS, 8)
