@@ -197,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--properties", type=int, default=600, help="string fields (each with a pattern) of the new schema")
     bg.add_argument("--result-dir", default="bench-results")
     bg.set_defaults(fn=_runs("cluster.bench.grammar_bench:run_grammar_bench"))
+    bt = bsub.add_parser("transport", help="KV transfer throughput between two processes here: shared memory (one Ray "
+                         "node) against TCP sockets (different Ray nodes)")
+    bt.add_argument("--blocks", default="1,16,64", help="blocks per transfer, comma-separated")
+    bt.add_argument("--transfers", type=int, default=10, help="timed transfers per size and path")
+    bt.add_argument("--layers", type=int, default=30, help="geometry (default: the built-in SmolLM2-135M's)")
+    bt.add_argument("--kv-heads", type=int, default=3)
+    bt.add_argument("--head-dim", type=int, default=64)
+    bt.add_argument("--block-size", type=int, default=16)
+    bt.add_argument("--result-dir", default="bench-results")
+    bt.set_defaults(fn=_runs("cluster.bench.transport_bench:run_transport_bench"))
     bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
                          "checks that none failed, texts match an offline run and no KV block leaked")
     add_chaos_flags(bx)

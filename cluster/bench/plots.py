@@ -131,6 +131,28 @@ def plot_chaos(chaos: dict, path: Path) -> Path:
     return path
 
 
+def plot_transport(result: dict, path: Path) -> Path:
+    """`pdserve bench transport`: GB/s per transfer size, one bar per path."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    sizes = sorted({r["blocks"] for r in result["runs"]})
+    paths = list(dict.fromkeys(r["path"] for r in result["runs"]))
+    width = 0.8 / len(paths)
+    for j, name in enumerate(paths):
+        rate = {r["blocks"]: r["gb_per_s"] for r in result["runs"] if r["path"] == name}
+        ax.bar([i + j * width for i in range(len(sizes))], [rate[n] for n in sizes], width, label=name.replace("_", " "))
+    mb = result["geometry"]["block_bytes"] / 1e6
+    ax.set_xticks([i + width * (len(paths) - 1) / 2 for i in range(len(sizes))])
+    ax.set_xticklabels([f"{n} blocks\n{n * mb:.1f} MB" for n in sizes])
+    ax.set_ylabel("GB/s (higher is better)")
+    ax.set_title("KV transfer, prefill to decode process on one machine", fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_phases(summary: dict, path: Path) -> Path:
     """`pdserve bench abuse`: the victim's p50 and p99 TTFT per round, alone and abused."""
     rounds = summary["rounds"]

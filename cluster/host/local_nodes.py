@@ -3,15 +3,14 @@ object store, workers and resources, as `ray up` gives on separate machines. For
 multi-node tests and `pdserve bench chaos --nodes` (tiers on nodes of their own; a whole
 node killed under load).
 
-Built on Ray's own test cluster (ray.cluster_utils.Cluster), worker nodes started by one
-thread of their own whatever thread asks: Ray ties a node's processes to the thread that
-started them (PR_SET_PDEATHSIG), and a node added by the chaos benchmark's fault thread
-must outlive it. Every node takes the loopback
-address as its node IP, in single-node mode as cluster/host/local_ray.py starts a local
-Ray, so nothing listens beyond loopback. Nodes are told apart by their Ray node id, never
-by IP: they all share it. Ray moves objects between two such nodes over TCP, and so does
-the KV transport (cluster/kv/transport/torch_dist.py: shared memory within one Ray node
-only).
+Built on Ray's own test cluster (ray.cluster_utils.Cluster). Worker nodes are started by
+one long-lived thread, whichever thread asks: Ray ties a node's processes to the thread
+that started them (PR_SET_PDEATHSIG), and a node the chaos benchmark's fault thread adds
+must outlive that thread. Every node takes the loopback address as its node IP, in
+single-node mode as cluster/host/local_ray.py starts a local Ray, so nothing listens
+beyond loopback. Nodes are told apart by their Ray node id, never by IP: they all share
+it. Ray moves objects between two such nodes over TCP, and so does the KV transport
+(cluster/kv/transport/torch_dist.py: shared memory within one Ray node only).
 """
 
 from __future__ import annotations
@@ -126,9 +125,3 @@ class LocalNodes:
         self._cluster.shutdown()
         self._starter.shutdown()
         self.nodes.clear()
-
-    def __enter__(self) -> LocalNodes:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
