@@ -191,6 +191,10 @@ def _wrapped(model):
     return type(f"{model.__name__}Choice", (BaseModel,), {"__annotations__": {"value": model}})
 
 
+# Two decode replicas (one to kill), every prompt prefilled on the prefill tier.
+DISAGGREGATED = {"decodes": 2, "routing": RoutingConfig(max_local_prefill_tokens=0)}
+
+
 @pytest.fixture(scope="module")
 def engine_config(engine_config):
     """The built-in model (a real one: random weights would say nothing of whether a small
@@ -236,12 +240,11 @@ def test_twenty_schemas_parse_and_validate_colocated(colocated_answers):
 def test_disaggregated_answers_are_the_colocated_ones(live, client, colocated_answers):
     """The first token is sampled under the grammar on the prefill side and replayed into the
     decode side's matcher: the greedy answers are identical."""
-    live.redeploy(routing=RoutingConfig(max_local_prefill_tokens=0))  # every prompt to the prefill tier
+    live.redeploy(**DISAGGREGATED)
     assert parse_all(client) == colocated_answers
     stats = live.handle.worker_stats.remote().result()
     (prefill,) = stats["prefill"].values()
-    (decode,) = stats["decode"].values()
-    assert decode["local_prefills"] == 0 and decode["computed_here"] == 0
+    assert all(d["local_prefills"] == 0 and d["computed_here"] == 0 for d in stats["decode"].values())
     assert sum(prefill["finished"].values()) >= len(CASES)  # every first token sampled there
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=30)
 
@@ -249,7 +252,7 @@ def test_disaggregated_answers_are_the_colocated_ones(live, client, colocated_an
 def test_a_constrained_stream_survives_its_decode_replica_being_killed(live, client, engine_config):
     """Killed mid-stream, the request moves with the tokens it streamed; the new decode
     replica replays them into its grammar, and the answer is the one an undisturbed run gives."""
-    live.redeploy(decodes=2, routing=RoutingConfig(max_local_prefill_tokens=0))
+    live.redeploy(**DISAGGREGATED)  # (the previous test's: nothing restarts)
     migrations = metric(live.scrape(), "pdserve_request_migrations_total")
     schema = {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string", "maxLength": 30},
                                                           "minItems": 12, "maxItems": 12}},
