@@ -16,6 +16,7 @@ from cluster.bench.flags import (
     add_chunk_flag,
     add_compare_flags,
     add_kv_cache_dtype_flag,
+    add_protect_flags,
     add_quantization_flag,
     add_serve_flags,
     add_sweep_flags,
@@ -207,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--block-size", type=int, default=16)
     bt.add_argument("--result-dir", default="bench-results")
     bt.set_defaults(fn=_runs("cluster.bench.transport_bench:run_transport_bench"))
+    bp = bsub.add_parser("protect", help="decode protection over a grid: running decodes' p99 ITL alone and beside long "
+                         "prompts of several lengths and rates, and the long prompts' first-to-second token gap")
+    add_protect_flags(bp)
+    bp.set_defaults(fn=_runs("cluster.bench.protect_bench:run_protect_bench"))
     bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
                          "checks that none failed, texts match an offline run and no KV block leaked")
     add_chaos_flags(bx)

@@ -140,6 +140,22 @@ def add_chaos_flags(p) -> None:
     p.add_argument("--idle-timeout-s", type=float, default=180.0, help="wait at most this long for the idle cluster")
 
 
+def add_protect_flags(p) -> None:
+    """`pdserve bench protect`: decodes' p99 ITL alone and beside long prompts, over a grid."""
+    add_serve_flags(p)
+    add_local_target_flags(p)
+    p.set_defaults(result_dir="bench-results")
+    p.add_argument("--target", default="1p1d@1",
+                   help="a local configuration, '<P>p<D>d[:routing][@threads][/cores]', or a server's URL")
+    p.add_argument("--running", default="4,16", help="running decodes, comma-separated")
+    p.add_argument("--output-lens", default="128", help="the decodes' output tokens, comma-separated")
+    p.add_argument("--decode-input-len", type=int, default=128, help="the decodes' prompt tokens")
+    p.add_argument("--requests-per-decode", type=int, default=6, help="requests each decode slot runs per measurement")
+    p.add_argument("--prompt-lens", default="512,2048,4096", help="long prompts' tokens, comma-separated")
+    p.add_argument("--arrival-rates", default="0.05,0.2,1", help="long prompts per second, comma-separated")
+    p.add_argument("--saturated", type=float, default=0.9, help="a cell whose prefill tier is busy this fraction is saturated")
+
+
 def add_abuse_flags(p) -> None:
     """`pdserve bench abuse`: a victim key's TTFT alone and beside an abusive key."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000")

@@ -153,6 +153,37 @@ def plot_transport(result: dict, path: Path) -> Path:
     return path
 
 
+def plot_protect(result: dict, path: Path) -> Path:
+    """`pdserve bench protect`: per decode mix, a heat map of the p99 ITL inflation over
+    (long prompt length, arrival rate), each cell also giving the worst first-to-second
+    token gap over the median ITL; saturated cells (prefill tier busy) are starred."""
+    mixes = result["mixes"]
+    fig, axes = plt.subplots(1, len(mixes), figsize=(4.2 * len(mixes), 3.6), squeeze=False)
+    for ax, mix in zip(axes[0], mixes):
+        lens = sorted({c["prompt_len"] for c in mix["cells"]})
+        rates = sorted({c["arrival_rate"] for c in mix["cells"]})
+        cell = {(c["prompt_len"], c["arrival_rate"]): c for c in mix["cells"]}
+        grid = [[cell[(n, r)]["p99_itl_inflation"] for r in rates] for n in lens]
+        image = ax.imshow(grid, cmap="RdYlGn_r", vmin=1.0, vmax=2.0, origin="lower", aspect="auto")
+        for i, n in enumerate(lens):
+            for j, r in enumerate(rates):
+                c = cell[(n, r)]
+                gap = c["max_gap_over_median_itl"]
+                ax.text(j, i, f"{c['p99_itl_inflation']:.2f}x{'*' if c['saturated'] else ''}\n"
+                        f"gap {'-' if gap is None else f'{gap:.1f}x'}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(rates)), [f"{r:g}/s" for r in rates])
+        ax.set_yticks(range(len(lens)), [str(n) for n in lens])
+        ax.set_xlabel("long prompts arriving")
+        ax.set_ylabel("long prompt tokens")
+        ax.set_title(f"{mix['running']} decodes x {mix['output_len']} tokens", fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), label="decodes' p99 ITL, beside / alone")
+    fig.suptitle(f"{result['target']}: p99 ITL inflation (goal <= 1.2x), worst first-to-second gap / median ITL "
+                 "(goal <= 2x); * prefill saturated", fontsize=9)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def plot_phases(summary: dict, path: Path) -> Path:
     """`pdserve bench abuse`: the victim's p50 and p99 TTFT per round, alone and abused."""
     rounds = summary["rounds"]

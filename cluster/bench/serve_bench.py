@@ -52,12 +52,14 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[flo
 
 
 async def _run(
-    args, model: str, work, tokenizer: Tokenizer, abort_after: list[int | None] | None = None, on_start=None
+    args, model: str, work, tokenizer: Tokenizer, abort_after: list[int | None] | None = None, on_start=None,
+    interference: list[RequestResult] | None = None,
 ) -> tuple[list[RequestResult], float, list[float]]:
     """Send the workload; (results, duration, arrival times relative to the start).
     Single-turn results are in the workload's order; `abort_after[i]` makes the client
     drop request i after that many chunks (see openai_client.send); `on_start()` is
-    called as the first request goes (after the warm-ups)."""
+    called as the first request goes (after the warm-ups); the --interference-* requests
+    that ended before the workload did go to `interference`."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     response_format = None
@@ -96,6 +98,8 @@ async def _run(
                     return  # a broken conversation does not go on
                 history.append({"role": "assistant", "content": r.text})
 
+        # Made before the load starts: tokenizing them takes longer than a short workload runs.
+        long_prompts = datasets.interference_requests(args, tokenizer, count=64) if args.interference_rate > 0 else []
         for warm in list(work)[: args.num_warmups]:  # not measured
             if multi_turn:
                 await send(client, args.endpoint, model, [{"role": "user", "content": warm.user_turns[0]}], 4, True, 0)
@@ -106,7 +110,10 @@ async def _run(
         if on_start is not None:
             on_start()
         start = time.perf_counter()
-        interfering = asyncio.create_task(_interfere(client, args, model, tokenizer)) if args.interference_rate > 0 else None
+        interfering = None
+        if long_prompts:
+            interfering = asyncio.create_task(_interfere(client, args, model, long_prompts,
+                                                         interference if interference is not None else []))
         aborts = abort_after or [None] * len(work)
         for item, at, abort in zip(work, arrival_times(len(work), args.request_rate, args.burstiness, args.seed), aborts):
             wait = start + at - time.perf_counter()  # absolute schedule: sleep overshoots do not add up
@@ -126,10 +133,10 @@ async def _run(
     return results, duration, arrivals
 
 
-async def _interfere(client, args, model: str, tokenizer: Tokenizer) -> None:
-    """Until cancelled (when the measured workload is done): long prompts at
-    --interference-rate, Poisson, each its own request; their results are not counted."""
-    prompts = datasets.interference_requests(args, tokenizer, count=64)
+async def _interfere(client, args, model: str, prompts: list, ended: list[RequestResult]) -> None:
+    """Until cancelled (when the measured workload is done): `prompts` in turn at
+    --interference-rate, Poisson, each its own request; their results are not counted
+    with the workload's, and those that end go to `ended`."""
     rng = np.random.default_rng(args.seed + 1)
     sent = []
     try:
@@ -137,6 +144,7 @@ async def _interfere(client, args, model: str, tokenizer: Tokenizer) -> None:
             await asyncio.sleep(rng.exponential(1.0 / args.interference_rate))
             p = prompts[i % len(prompts)]
             sent.append(asyncio.create_task(send(client, args.endpoint, model, p.prompt, p.output_len, True, p.prompt_len)))
+            sent[-1].add_done_callback(lambda task: None if task.cancelled() or task.exception() else ended.append(task.result()))
     finally:
         for task in sent:
             task.cancel()
@@ -189,6 +197,7 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
         steps = total("pdserve_engine_step_seconds_count", decode_steps)
         if steps:
             out[f"{tier}_decode_step_mean_ms"] = 1e3 * total("pdserve_engine_step_seconds_sum", decode_steps) / steps
+        out[f"{tier}_engine_busy_s"] = total("pdserve_engine_step_seconds_sum", f'tier="{tier}"')  # steps of every kind
     out["route_fallbacks"] = total("pdserve_route_fallbacks_total")
     for key, value in after.items():  # and by reason, where any (router/placement.py's labels)
         reason = re.fullmatch(r'pdserve_route_fallbacks_total\{reason="([a-z_]+)"\}', key)
@@ -341,7 +350,8 @@ def measure(args, abort_plan=None, on_start=None) -> tuple[dict, list, list[Requ
     work = datasets.load(args, tokenizer)
     before = scrape(args.base_url, args.api_key)
     abort_after = abort_plan(work) if abort_plan else None
-    results, duration, arrivals = asyncio.run(_run(args, model, work, tokenizer, abort_after, on_start))
+    interference: list[RequestResult] = []
+    results, duration, arrivals = asyncio.run(_run(args, model, work, tokenizer, abort_after, on_start, interference))
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if args.endpoint.endswith("chat/completions") else "openai",
@@ -357,10 +367,25 @@ def measure(args, abort_plan=None, on_start=None) -> tuple[dict, list, list[Requ
         "arrival_times": arrivals,
         "server_metrics": server_deltas(before, scrape(args.base_url, args.api_key)),
     }
+    if args.interference_rate > 0:
+        result["interference"] = interference_summary(interference)
     for item in args.metadata or ():
         key, _, value = item.partition("=")
         result[key] = value
     return result, work, results
+
+
+def interference_summary(ended: list[RequestResult]) -> dict:
+    """The --interference-* prompts that ended during the run: their TTFTs, and the gaps
+    between their first and second tokens (disaggregated, the first comes from the prefill
+    side and the second waits for the hand-off: what decode protection must keep short)."""
+    done = [r for r in ended if r.success]
+    return {
+        "completed": len(done),
+        "failed": len(ended) - len(done),
+        "ttfts_ms": [r.ttft * 1e3 for r in done],
+        "first_to_second_token_ms": [r.itl[0] * 1e3 for r in done if r.itl],
+    }
 
 
 def print_summary(result: dict) -> None:

@@ -60,6 +60,43 @@ def test_prefix_repetition_on_chat_and_multi_turn(live, engine_config, tmp_path)
     assert r["server_metrics"]["decode_prefix_cache_hit_rate"] > 0  # later turns reuse earlier turns' KV
 
 
+def test_long_prompts_sent_beside_the_workload_are_recorded_apart(live, engine_config, tmp_path):
+    """--interference-*: the long prompts' TTFTs and first-to-second token gaps, not the
+    workload's figures."""
+    # A workload of ~1 s or more (the tiny model streams ~1 ms a token): long prompts end within it.
+    code, r = bench(live, engine_config, tmp_path, "--dataset-name", "random", "--num-prompts", "6", "--random-input-len",
+                    "16", "--random-output-len", "300", "--ignore-eos", "--max-concurrency", "2", "--interference-rate", "20",
+                    "--interference-input-len", "120", "--interference-output-len", "2")
+    assert code == 0 and r["completed"] == 6 and r["output_lens"] == [300] * 6
+    interference = r["interference"]
+    assert interference["completed"] >= 1 and interference["failed"] == 0
+    assert len(interference["ttfts_ms"]) == interference["completed"]
+    # (timed from the first chunk with text: a request whose first token has none may have no gap to time)
+    assert 1 <= len(interference["first_to_second_token_ms"]) <= interference["completed"]
+    assert all(ms > 0 for ms in interference["ttfts_ms"] + interference["first_to_second_token_ms"])
+
+
+def test_protect_reports_each_cell_of_its_grid_with_a_plot(live, engine_config, tmp_path):
+    """`pdserve bench protect` against a URL: one decode mix, two long-prompt lengths: each
+    cell's alone and beside runs, the long prompts' gaps, the prefill tier's busy time."""
+    args = build_parser().parse_args([
+        "bench", "protect", "--target", live.http_url, "--local-model", engine_config.model, "--api-key", API_KEY,
+        "--running", "2", "--output-lens", "300", "--requests-per-decode", "2", "--decode-input-len", "16",
+        "--prompt-lens", "60,120", "--arrival-rates", "20", "--result-dir", str(tmp_path), "--disable-tqdm",
+    ])
+    assert args.fn(args) == 0
+    result = json.loads((tmp_path / "protect.json").read_text())
+    (mix,) = result["mixes"]
+    assert (mix["running"], mix["output_len"]) == (2, 300)
+    assert [(c["prompt_len"], c["arrival_rate"]) for c in mix["cells"]] == [(60, 20.0), (120, 20.0)]
+    for cell in mix["cells"]:
+        assert cell["p99_itl_inflation"] == pytest.approx(cell["p99_itl_beside_ms"] / cell["p99_itl_alone_ms"])
+        assert cell["long_prompts_ended"] >= 1 and cell["long_prompts_failed"] == cell["decodes_failed"] == 0
+        assert 0 < cell["prefill_busy"] and cell["saturated"] == (cell["prefill_busy"] >= 0.9)
+    assert result["summary"]["median_p99_itl_inflation"] > 0 and result["cpu"]
+    assert (tmp_path / "protect.png").stat().st_size > 0
+
+
 def test_failures_are_counted_by_kind(live, engine_config, tmp_path):
     args = build_parser().parse_args([
         "bench", "serve", "--base-url", live.http_url, "--model", MODEL_NAME, "--tokenizer", engine_config.model,

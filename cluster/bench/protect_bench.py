@@ -1,0 +1,137 @@
+"""`pdserve bench protect`: decode protection over a grid of mixes, not one workload.
+
+On one cluster (--target: a local configuration it starts, default 1p1d@1, or a URL),
+for each number of running decodes (--running) and decode output length (--output-lens):
+
+    alone    the decodes by themselves: `running` streams at a time, --requests-per-decode
+             each, of --decode-input-len prompt tokens
+    beside   the same decodes with long prompts arriving (Poisson), one run per prompt
+             length (--prompt-lens) and arrival rate (--arrival-rates); each long prompt
+             asks for 2 tokens, so its second token waits for the hand-off
+
+and per cell: the decodes' p99 ITL beside over alone (the inflation decode protection
+must keep small), the long prompts' first-to-second token gap over the decodes' median ITL
+beside, how many long prompts arrived and ended, and the prefill tier's busy fraction (its
+engines' step seconds over the run, from /metrics): a cell whose prefill tier is busy
+>= --saturated of the time is marked saturated. Every cell's alone and beside runs are
+back to back on the same cluster, prompts drawn with the same seed. Writes protect.json and
+protect.png (a heat map per decode mix).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from cluster.bench.offline_target import offline_target
+from cluster.bench.plots import plot_protect
+from cluster.bench.provenance import write_result
+from cluster.bench.serve_bench import measure
+from cluster.bench.sweep_compare import local_cluster, local_ray, local_target, parse_target
+from cluster.host.cpu_features import cpu_summary
+from cluster.model.builtin import builtin_model_path
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes positive integers, comma-separated (got {text!r})")
+    return values
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) <= 0:
+        raise ValueError(f"{flag} takes positive numbers, comma-separated (got {text!r})")
+    return values
+
+
+def _run(args, url: str, running: int, output_len: int, prompt_len: int = 0, rate: float = 0.0) -> dict:
+    run_args = copy.copy(args)
+    run_args.base_url, run_args.model, run_args.tokenizer = url, None, args.local_model
+    run_args.dataset_name, run_args.random_input_len, run_args.random_output_len = "random", args.decode_input_len, output_len
+    run_args.num_prompts, run_args.max_concurrency = running * args.requests_per_decode, running
+    run_args.request_rate, run_args.ignore_eos, run_args.num_warmups = float("inf"), True, 0
+    run_args.percentile_metrics, run_args.metric_percentiles = "ttft,tpot,itl", "50,99"  # what _cell reads
+    run_args.interference_rate, run_args.interference_input_len, run_args.interference_output_len = rate, prompt_len, 2
+    result, _, _ = measure(run_args)
+    return result
+
+
+def _cell(args, alone: dict, beside: dict, prompt_len: int, rate: float) -> dict:
+    interference = beside["interference"]
+    gaps = interference["first_to_second_token_ms"]
+    busy_s = (beside.get("server_metrics") or {}).get("prefill_engine_busy_s", 0.0)
+    busy = busy_s / beside["duration"]
+    return {
+        "prompt_len": prompt_len,
+        "arrival_rate": rate,
+        "p99_itl_alone_ms": alone["p99_itl_ms"],
+        "p99_itl_beside_ms": beside["p99_itl_ms"],
+        "p99_itl_inflation": beside["p99_itl_ms"] / alone["p99_itl_ms"],
+        "median_itl_beside_ms": beside["median_itl_ms"],
+        "long_prompts_ended": interference["completed"],
+        "long_prompts_failed": interference["failed"],
+        "first_to_second_ms": gaps,
+        "max_gap_over_median_itl": max(gaps) / beside["median_itl_ms"] if gaps else None,
+        "decodes_failed": alone["failed"] + beside["failed"],
+        "prefill_busy": busy,
+        "saturated": busy >= args.saturated,
+        "duration_s": beside["duration"],
+    }
+
+
+@contextmanager
+def _target(args) -> Iterator[str]:
+    """The base URL of --target: a local configuration started for the run, or a URL."""
+    if offline_target(parse_target(args.target)):
+        raise ValueError("--target offline: bench protect needs a server (a URL or a local configuration)")
+    if local_target(args.target) is None:
+        yield args.target
+        return
+    with local_ray(args), local_cluster(args.target, args) as url:
+        yield url
+
+
+def run_protect_bench(args) -> int:
+    running_counts, output_lens = _ints(args.running, "--running"), _ints(args.output_lens, "--output-lens")
+    prompt_lens, rates = _ints(args.prompt_lens, "--prompt-lens"), _floats(args.arrival_rates, "--arrival-rates")
+    args.local_model = args.local_model or str(builtin_model_path())
+    print(f"CPU: {cpu_summary()}")
+    mixes = []
+    with _target(args) as url:
+        for running, output_len in itertools.product(running_counts, output_lens):
+            cells = []
+            for prompt_len, rate in itertools.product(prompt_lens, rates):
+                # Alone, then beside, for every cell: the pair shares the machine's state of the moment.
+                alone = _run(args, url, running, output_len)
+                cell = _cell(args, alone, _run(args, url, running, output_len, prompt_len, rate), prompt_len, rate)
+                cells.append(cell)
+                gap = cell["max_gap_over_median_itl"]
+                print(f"protect: {running} decodes x {output_len} tokens, {prompt_len}-token prompts at {rate}/s: "
+                      f"p99 ITL {cell['p99_itl_inflation']:.2f}x, max first-to-second gap "
+                      f"{'-' if gap is None else f'{gap:.2f}x'} the median ITL ({cell['long_prompts_ended']} ended), "
+                      f"prefill busy {cell['prefill_busy']:.0%}{' (saturated)' if cell['saturated'] else ''}", flush=True)
+            mixes.append({"running": running, "output_len": output_len, "cells": cells})
+    unsaturated = [c for m in mixes for c in m["cells"] if not c["saturated"]]
+    summary = {
+        "worst_p99_itl_inflation_unsaturated": max((c["p99_itl_inflation"] for c in unsaturated), default=None),
+        "worst_gap_over_median_itl": max((c["max_gap_over_median_itl"] for m in mixes for c in m["cells"]
+                                          if c["max_gap_over_median_itl"] is not None), default=None),
+        "median_p99_itl_inflation": statistics.median(c["p99_itl_inflation"] for m in mixes for c in m["cells"]),
+    }
+    print(f"protect: {summary}")
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"target": args.target, "decode_input_len": args.decode_input_len, "summary": summary, "mixes": mixes,
+              "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "fn"}}
+    write_result(out / "protect.json", result)
+    print(f"wrote {out / 'protect.json'} and {plot_protect(result, out / 'protect.png')}")
+    failed = sum(c["decodes_failed"] for m in mixes for c in m["cells"])
+    if failed:
+        print(f"FAIL: {failed} decode requests failed: their cells' figures do not hold")
+    return 1 if failed else 0
