@@ -164,6 +164,20 @@ def scrape(base_url: str, api_key: str | None) -> dict[str, float] | None:
     return parse_metrics(response.text)
 
 
+def scrape_settled(base_url: str, api_key: str | None, timeout_s: float = 60.0) -> dict[str, float] | None:
+    """A scrape in which every worker answered (pdserve_workers_silent 0), within
+    `timeout_s`: a worker in a long step (a prefill of thousands of tokens is one) answers
+    its stats call only after it, and a scrape without its figures would count none of its
+    work in the deltas. The last scrape if none settles."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape(base_url, api_key)
+        silent = sum(v for k, v in (metrics or {}).items() if k.startswith("pdserve_workers_silent"))
+        if not silent or time.monotonic() > deadline:
+            return metrics
+        time.sleep(1.0)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """pdserve's series of a Prometheus text exposition: {name{labels}: value}."""
     values: dict[str, float] = {}
@@ -348,7 +362,7 @@ def measure(args, abort_plan=None, on_start=None) -> tuple[dict, list, list[Requ
         raise ValueError(f"no model directory or .gguf file {tokenizer_dir!r} for the tokenizer: pass --tokenizer PATH")
     tokenizer = load_tokenizer(tokenizer_dir)
     work = datasets.load(args, tokenizer)
-    before = scrape(args.base_url, args.api_key)
+    before = scrape_settled(args.base_url, args.api_key)
     abort_after = abort_plan(work) if abort_plan else None
     interference: list[RequestResult] = []
     results, duration, arrivals = asyncio.run(_run(args, model, work, tokenizer, abort_after, on_start, interference))
@@ -365,7 +379,7 @@ def measure(args, abort_plan=None, on_start=None) -> tuple[dict, list, list[Requ
         "max_concurrency": args.max_concurrency,
         **summarize(args, results, duration),
         "arrival_times": arrivals,
-        "server_metrics": server_deltas(before, scrape(args.base_url, args.api_key)),
+        "server_metrics": server_deltas(before, scrape_settled(args.base_url, args.api_key)),
     }
     if args.interference_rate > 0:
         result["interference"] = interference_summary(interference)
