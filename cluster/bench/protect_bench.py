@@ -65,7 +65,8 @@ def _run(args, url: str, running: int, output_len: int, prompt_len: int = 0, rat
 def _cell(args, alone: dict, beside: dict, prompt_len: int, rate: float) -> dict:
     interference = beside["interference"]
     gaps = interference["first_to_second_token_ms"]
-    busy_s = (beside.get("server_metrics") or {}).get("prefill_engine_busy_s", 0.0)
+    server = beside.get("server_metrics") or {}
+    busy_s = server.get("prefill_engine_busy_s", 0.0)
     busy = busy_s / beside["duration"]
     return {
         "prompt_len": prompt_len,
@@ -79,6 +80,7 @@ def _cell(args, alone: dict, beside: dict, prompt_len: int, rate: float) -> dict
         "first_to_second_ms": gaps,
         "max_gap_over_median_itl": max(gaps) / beside["median_itl_ms"] if gaps else None,
         "decodes_failed": alone["failed"] + beside["failed"],
+        "local_prefills": server.get("route_local_prefills", 0.0),  # prompts (of either kind) computed beside the decodes
         "prefill_busy": busy,
         "saturated": busy >= args.saturated,
         "duration_s": beside["duration"],
@@ -115,7 +117,8 @@ def run_protect_bench(args) -> int:
                 print(f"protect: {running} decodes x {output_len} tokens, {prompt_len}-token prompts at {rate}/s: "
                       f"p99 ITL {cell['p99_itl_inflation']:.2f}x, max first-to-second gap "
                       f"{'-' if gap is None else f'{gap:.2f}x'} the median ITL ({cell['long_prompts_ended']} ended), "
-                      f"prefill busy {cell['prefill_busy']:.0%}{' (saturated)' if cell['saturated'] else ''}", flush=True)
+                      f"prefill busy {cell['prefill_busy']:.0%}{' (saturated)' if cell['saturated'] else ''}, "
+                      f"{cell['local_prefills']:.0f} prompts computed on decode", flush=True)
             mixes.append({"running": running, "output_len": output_len, "cells": cells})
     unsaturated = [c for m in mixes for c in m["cells"] if not c["saturated"]]
     summary = {

@@ -218,6 +218,7 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
         if reason and value - before.get(key, 0.0):
             out[f"route_fallbacks_{reason.group(1)}"] = value - before.get(key, 0.0)
     out["request_migrations"] = total("pdserve_request_migrations_total")
+    out["route_local_prefills"] = total("pdserve_route_local_prefills_total")  # prompts computed where they decode
     return out
 
 
