@@ -11,6 +11,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _save(fig, path: Path, dpi: int = 110, layout: bool = True) -> Path:
+    """Write the figure (laid out tight, or cropped to its contents) and free it."""
+    if layout:
+        fig.tight_layout()
+    fig.savefig(path, dpi=dpi, **({} if layout else {"bbox_inches": "tight"}))
+    plt.close(fig)
+    return path
+
 def _cdf(ax, values_ms, label):
     if values_ms:
         x = np.sort(values_ms)
@@ -31,10 +39,7 @@ def plot_serve_result(result: dict, stem: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.set_ylim(0, 1.01)
     fig.suptitle(title)
-    fig.tight_layout()
-    cdf = stem.parent / (stem.name + "-latency_cdf.png")
-    fig.savefig(cdf, dpi=110)
-    plt.close(fig)
+    cdf = _save(fig, stem.parent / (stem.name + "-latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     series = result["output_throughput_over_time"]
@@ -45,10 +50,7 @@ def plot_serve_result(result: dict, stem: Path) -> list[Path]:
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    throughput = stem.parent / (stem.name + "-throughput.png")
-    fig.savefig(throughput, dpi=110)
-    plt.close(fig)
+    throughput = _save(fig, stem.parent / (stem.name + "-throughput.png"))
     return [cdf, throughput]
 
 
@@ -62,10 +64,7 @@ def plot_attainment(rates: list[float], attainment: list[float], target: float, 
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_compare(labels: tuple[str, str], metrics: dict[str, tuple[float, float]], path: Path) -> Path:
@@ -78,10 +77,7 @@ def plot_compare(labels: tuple[str, str], metrics: dict[str, tuple[float, float]
         ax.set_xticks([0, 1], labels, rotation=15)
         ax.set_title(f"{name}\nB/A = {b / a:.2f}x" if a else name, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_engine_bench(results: dict, path: Path) -> None:
@@ -103,9 +99,7 @@ def plot_engine_bench(results: dict, path: Path) -> None:
     quantization = "" if results.get("quantization", "none") == "none" else f", quantization {results['quantization']}"
     ax.set_title(f"{Path(results['model']).name} {results['dtype']}{quantization}, {results['threads']} threads")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, dpi=120)
 
 
 def plot_chaos(chaos: dict, path: Path) -> Path:
@@ -125,10 +119,7 @@ def plot_chaos(chaos: dict, path: Path) -> Path:
     ax.set_title(f"{chaos['target']}: {chaos['completed']} completed, {chaos['aborted']} aborted, {chaos['failed']} failed, "
                  f"{int(chaos['migrated'])} migrated, {sum(chaos['leaked_blocks'].values())} blocks leaked", fontsize=9)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_transport(result: dict, path: Path) -> Path:
@@ -147,10 +138,7 @@ def plot_transport(result: dict, path: Path) -> Path:
     ax.set_title("KV transfer, prefill to decode process on one machine", fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_protect(result: dict, path: Path) -> Path:
@@ -179,9 +167,7 @@ def plot_protect(result: dict, path: Path) -> Path:
     fig.colorbar(image, ax=axes[0].tolist(), label="decodes' p99 ITL, beside / alone")
     fig.suptitle(f"{result['target']}: p99 ITL inflation (goal <= 1.2x), worst first-to-second gap / median ITL "
                  "(goal <= 2x); * prefill saturated", fontsize=9)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path, layout=False)  # the colorbar spans the axes: cropped to fit, not laid out
 
 
 def plot_phases(summary: dict, path: Path) -> Path:
@@ -201,10 +187,7 @@ def plot_phases(summary: dict, path: Path) -> Path:
                  f"server errors {summary['abuser']['server_errors']}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_step_gaps(result: dict, path: Path) -> Path:
@@ -221,7 +204,4 @@ def plot_step_gaps(result: dict, path: Path) -> Path:
     ax.set_title(f"{result['running']} running requests; a {result['properties']}-property schema arrives")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -58,16 +58,14 @@ def _run(args, url: str, running: int, output_len: int, prompt_len: int = 0, rat
     run_args.request_rate, run_args.ignore_eos, run_args.num_warmups = float("inf"), True, 0
     run_args.percentile_metrics, run_args.metric_percentiles = "ttft,tpot,itl", "50,99"  # what _cell reads
     run_args.interference_rate, run_args.interference_input_len, run_args.interference_output_len = rate, prompt_len, 2
-    result, _, _ = measure(run_args)
-    return result
+    return measure(run_args)[0]
 
 
 def _cell(args, alone: dict, beside: dict, prompt_len: int, rate: float) -> dict:
     interference = beside["interference"]
     gaps = interference["first_to_second_token_ms"]
     server = beside.get("server_metrics") or {}
-    busy_s = server.get("prefill_engine_busy_s", 0.0)
-    busy = busy_s / beside["duration"]
+    busy = server.get("prefill_engine_busy_s", 0.0) / beside["duration"]
     return {
         "prompt_len": prompt_len,
         "arrival_rate": rate,

@@ -48,8 +48,6 @@ def placement() -> dict[str, dict[str, float]]:
 @dataclass
 class LocalNode:
     name: str
-    resources: dict[str, float]
-    num_cpus: int
     node: object = field(repr=False)  # ray._private.node.Node
 
     @property
@@ -72,7 +70,7 @@ class LocalNodes:
         self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=self._node_args(
             head_cpus, head_resources, include_dashboard=False, _system_config=dict(RAY_SYSTEM_CONFIG),
         ))
-        self.head = LocalNode("head", head_resources, head_cpus, self._cluster.head_node)
+        self.head = LocalNode("head", self._cluster.head_node)
         self._starter = ThreadPoolExecutor(1, thread_name_prefix="ray-nodes")
         atexit.register(self.shutdown)
         ray.init(address=self._cluster.address, include_dashboard=False, log_to_driver=log_to_driver,
@@ -88,7 +86,7 @@ class LocalNodes:
             raise ValueError(f"a node named {name!r} exists already")
         self._added += 1
         started = self._starter.submit(self._start_worker_node, self._node_args(num_cpus, resources)).result()
-        node = self.nodes[name] = LocalNode(name, dict(resources), num_cpus, started)
+        node = self.nodes[name] = LocalNode(name, started)
         return node
 
     def _start_worker_node(self, node_args: dict):
