@@ -244,6 +244,12 @@ class RoutingConfig:
     # (router/placement.py: computes_locally). Longer prompts always go to the prefill tier:
     # beside decodes they would slow them for many steps. 0: every prompt goes there.
     max_local_prefill_tokens: int = 512
+    # ... and, while requests run on that decode worker, only when the prefill tier is
+    # saturated: this many prompt tokens queue at its least-loaded worker. A prompt computed
+    # beside decodes slows every step of theirs (up to the step budget's max_step_slowdown),
+    # a price worth paying only when the prefill tier cannot keep up; a short burst on a
+    # tier that keeps up waits there instead.
+    saturated_prefill_queue_tokens: int = 8192
     # A request whose decode worker fails mid-stream (died, unreachable, no progress for
     # stall_timeout_s) is re-issued to another one with the tokens streamed so far, at
     # most migration_limit times; the client's stream goes on without a gap or repeat.
@@ -257,8 +263,8 @@ class RoutingConfig:
             raise ValueError("index_timeout_s must be > 0 and the weights >= 0")
         if self.load_margin < 0:
             raise ValueError("load_margin must be >= 0")
-        if self.max_local_prefill_tokens < 0:
-            raise ValueError("max_local_prefill_tokens must be >= 0")
+        if self.max_local_prefill_tokens < 0 or self.saturated_prefill_queue_tokens < 0:
+            raise ValueError("max_local_prefill_tokens and saturated_prefill_queue_tokens must be >= 0")
         if self.migration_limit < 0 or self.stall_timeout_s <= 0:
             raise ValueError("migration_limit must be >= 0 and stall_timeout_s > 0")
 

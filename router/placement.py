@@ -14,9 +14,11 @@
                   prefill one plus the running term.
                   Conditional disaggregation: the chosen decode worker computes a short
                   prompt (routing.max_local_prefill_tokens) itself when it would finish
-                  it before the chosen prefill worker even starts it (computes_locally):
-                  a prefill tier that falls behind then gets help instead of a growing
-                  queue, and long prompts never stall the decodes.
+                  it before the chosen prefill worker even starts it (computes_locally),
+                  beside running requests only once the prefill tier is saturated
+                  (routing.saturated_prefill_queue_tokens queued): a prefill tier that
+                  falls behind gets help, one that keeps up leaves the decodes their ITL,
+                  and long prompts never stall the decodes.
     prefix_hash   rendezvous hashing of the first PREFIX_HASH_BLOCKS blocks: sticky without an index
     round_robin   each tier in turn
     power_of_two  Ray Serve's default: the shorter queue of two random replicas
@@ -283,8 +285,7 @@ class Placer:
             for tier, cs in tiers.items()
         }
         local = not self.colocated and computes_locally(
-            chosen["prefill"], chosen["decode"], uncached(chosen["decode"]), self.step_slowdown,
-            self.config.max_local_prefill_tokens)
+            chosen["prefill"], chosen["decode"], uncached(chosen["decode"]), self.step_slowdown, self.config)
         if local:
             self.metrics.local_prefills.inc()
             del chosen["prefill"]  # the decode worker computes it, as colocated
@@ -353,17 +354,19 @@ class Placer:
 
 
 def computes_locally(prefill: Candidate, decode: Candidate, decode_uncached: int, step_slowdown: float,
-                     max_local_tokens: int) -> bool:
+                     routing: RoutingConfig) -> bool:
     """Whether the decode worker should compute the prompt itself: a short one (at most
-    max_local_tokens uncached: a long one would slow its decodes for many steps) that it
-    finishes, after the prompt tokens already queued there, before the prefill worker would
-    start it, behind its queue. Both count in tokens of prefill work; while requests decode
-    there, a decode worker computes prompt tokens at (s - 1) / s of a prefill worker's rate
-    (its step budget, s = max_step_slowdown, keeps each step within s decode steps' time;
-    s = 0: no cap, full rate). So an idle or keeping-up prefill tier (an empty queue) always
-    gets the prompt, and the decodes keep their ITL; only a queue longer than the whole local
-    work moves it."""
-    if decode_uncached > max_local_tokens:
+    max_local_prefill_tokens uncached: a long one would slow its decodes for many steps)
+    that it finishes, after the prompt tokens already queued there, before the prefill
+    worker would start it, behind its queue. Both count in tokens of prefill work; while
+    requests run there, a decode worker computes prompt tokens at (s - 1) / s of a prefill
+    worker's rate (its step budget, s = max_step_slowdown, keeps each step within s decode
+    steps' time; s = 0: no cap, full rate), and every step of theirs is slower meanwhile:
+    so beside requests only a saturated prefill tier (saturated_prefill_queue_tokens queued)
+    gets help, and a tier that keeps up keeps every prompt, the decodes their ITL."""
+    if decode_uncached > routing.max_local_prefill_tokens:
+        return False
+    if decode.requests and prefill.queued_tokens < routing.saturated_prefill_queue_tokens:
         return False
     slower = step_slowdown / (step_slowdown - 1.0) if decode.requests and step_slowdown > 0 else 1.0
     return prefill.queued_tokens > slower * (decode.queued_tokens + decode_uncached)

@@ -170,6 +170,38 @@ def plot_protect(result: dict, path: Path) -> Path:
     return _save(fig, path, layout=False)  # the colorbar spans the axes: cropped to fit, not laid out
 
 
+def plot_decode_steps(cell: str, steps: dict, path: Path) -> Path:
+    """`pdserve bench protect`: one cell's decode steps over time (beside the long prompts):
+    each step's interval (the wait it put on every running request), split into its parts,
+    against 1.2x the alone median of its batch size."""
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    for worker, line in steps["beside"].items():
+        if not line:
+            continue
+        t0 = line[0]["t"]
+        decode = [s for s in line if s["decode"]]
+        t = [s["t"] - t0 for s in decode]
+        interval = [1000 * (s["between_s"] + s["step_s"]) for s in decode]
+        prompt = [s["prompt"] > 0 for s in decode]
+        ax.scatter([x for x, p in zip(t, prompt) if not p], [y for y, p in zip(interval, prompt) if not p], s=4,
+                   label=f"{worker}: decode-only step", color="#3182bd")
+        ax.scatter([x for x, p in zip(t, prompt) if p], [y for y, p in zip(interval, prompt) if p], s=8,
+                   label="step with prompt work", color="#e6550d")
+        ax.scatter(t, [1000 * max(0.0, s["step_s"] - s["cpu_s"]) for s in decode], s=3, marker="x",
+                   label="off its core (waited)", color="#756bb1")
+        ax.scatter(t, [1000 * s["between_s"] for s in decode], s=3, marker="+", label="between steps",
+                   color="#31a354")
+    for seconds in steps["alone_medians_s"].values():
+        ax.axhline(1200 * seconds, color="gray", linestyle=":", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("ms (log)")
+    ax.set_title(f"decode steps, cell {cell} (dotted: 1.2x the alone median per batch size)", fontsize=9)
+    ax.legend(fontsize=7, markerscale=2)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def plot_phases(summary: dict, path: Path) -> Path:
     """`pdserve bench abuse`: the victim's p50 and p99 TTFT per round, alone and abused."""
     rounds = summary["rounds"]

@@ -16,6 +16,12 @@ engines' step seconds over the run, from /metrics): a cell whose prefill tier is
 >= --saturated of the time is marked saturated. Every cell's alone and beside runs are
 back to back on the same cluster, prompts drawn with the same seed. Writes protect.json and
 protect.png (a heat map per decode mix).
+
+On a local target the decode workers' own step timelines come too: per cell, how many of
+their steps were slow (over 1.2x the alone median of their batch size) and why (prompt work
+beside the decodes, the engine thread's work between steps, its core taken, longer compute:
+cluster/bench/decode_timeline.py); every cell's steps in protect-steps.json, the worst
+unsaturated cell's drawn in protect-steps.png.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from __future__ import annotations
 import copy
 import itertools
 import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from cluster.bench.decode_timeline import alone_medians, attribute, decode_timelines
 from cluster.bench.offline_target import offline_target
-from cluster.bench.plots import plot_protect
+from cluster.bench.plots import plot_decode_steps, plot_protect
 from cluster.bench.provenance import write_result
 from cluster.bench.serve_bench import measure
 from cluster.bench.sweep_compare import local_cluster, local_ray, local_target, parse_target
@@ -50,7 +58,9 @@ def _floats(text: str, flag: str) -> list[float]:
     return values
 
 
-def _run(args, url: str, running: int, output_len: int, prompt_len: int = 0, rate: float = 0.0) -> dict:
+def _run(args, url: str, running: int, output_len: int, prompt_len: int = 0, rate: float = 0.0,
+         timelines: bool = False) -> tuple[dict, dict | None]:
+    """The run's result, and with `timelines` the decode workers' steps during it."""
     run_args = copy.copy(args)
     run_args.base_url, run_args.model, run_args.tokenizer = url, None, args.local_model
     run_args.dataset_name, run_args.random_input_len, run_args.random_output_len = "random", args.decode_input_len, output_len
@@ -58,7 +68,9 @@ def _run(args, url: str, running: int, output_len: int, prompt_len: int = 0, rat
     run_args.request_rate, run_args.ignore_eos, run_args.num_warmups = float("inf"), True, 0
     run_args.percentile_metrics, run_args.metric_percentiles = "ttft,tpot,itl", "50,99"  # what _cell reads
     run_args.interference_rate, run_args.interference_input_len, run_args.interference_output_len = rate, prompt_len, 2
-    return measure(run_args)[0]
+    began = []
+    result = measure(run_args, on_start=lambda: began.append(time.time()))[0]
+    return result, decode_timelines(began[0]) if timelines else None
 
 
 def _cell(args, alone: dict, beside: dict, prompt_len: int, rate: float) -> dict:
@@ -85,6 +97,20 @@ def _cell(args, alone: dict, beside: dict, prompt_len: int, rate: float) -> dict
     }
 
 
+def _print_cell(running: int, output_len: int, cell: dict) -> None:
+    gap = cell["max_gap_over_median_itl"]
+    line = (f"protect: {running} decodes x {output_len} tokens, {cell['prompt_len']}-token prompts at {cell['arrival_rate']}/s: "
+            f"p99 ITL {cell['p99_itl_inflation']:.2f}x, max first-to-second gap "
+            f"{'-' if gap is None else f'{gap:.2f}x'} the median ITL ({cell['long_prompts_ended']} ended), "
+            f"prefill busy {cell['prefill_busy']:.0%}{' (saturated)' if cell['saturated'] else ''}, "
+            f"{cell['local_prefills']:.0f} prompts computed on decode")
+    if "decode_steps_beside" in cell:
+        steps = cell["decode_steps_beside"]
+        causes = ", ".join(f"{cause} {n}" for cause, n in steps["slow_steps_by_cause"].items() if n)
+        line += f"; decode steps slow: {steps['slow_steps']} of {steps['decode_steps']}{f' ({causes})' if causes else ''}"
+    print(line, flush=True)
+
+
 @contextmanager
 def _target(args) -> Iterator[str]:
     """The base URL of --target: a local configuration started for the run, or a URL."""
@@ -102,21 +128,23 @@ def run_protect_bench(args) -> int:
     prompt_lens, rates = _ints(args.prompt_lens, "--prompt-lens"), _floats(args.arrival_rates, "--arrival-rates")
     args.local_model = args.local_model or str(builtin_model_path())
     print(f"CPU: {cpu_summary()}")
-    mixes = []
+    mixes, steps = [], {}
+    local = local_target(args.target) is not None
     with _target(args) as url:
         for running, output_len in itertools.product(running_counts, output_lens):
             cells = []
             for prompt_len, rate in itertools.product(prompt_lens, rates):
                 # Alone, then beside, for every cell: the pair shares the machine's state of the moment.
-                alone = _run(args, url, running, output_len)
-                cell = _cell(args, alone, _run(args, url, running, output_len, prompt_len, rate), prompt_len, rate)
+                alone, alone_steps = _run(args, url, running, output_len, timelines=local)
+                beside, beside_steps = _run(args, url, running, output_len, prompt_len, rate, timelines=local)
+                cell = _cell(args, alone, beside, prompt_len, rate)
+                if local:  # the decode tier's own account of its steps (cluster/bench/decode_timeline.py)
+                    medians = alone_medians(alone_steps)
+                    cell["decode_steps_alone"] = attribute(alone_steps, medians)
+                    cell["decode_steps_beside"] = attribute(beside_steps, medians)
+                    steps[f"{running}x{output_len}/{prompt_len}@{rate:g}"] = {"alone_medians_s": medians, "beside": beside_steps}
                 cells.append(cell)
-                gap = cell["max_gap_over_median_itl"]
-                print(f"protect: {running} decodes x {output_len} tokens, {prompt_len}-token prompts at {rate}/s: "
-                      f"p99 ITL {cell['p99_itl_inflation']:.2f}x, max first-to-second gap "
-                      f"{'-' if gap is None else f'{gap:.2f}x'} the median ITL ({cell['long_prompts_ended']} ended), "
-                      f"prefill busy {cell['prefill_busy']:.0%}{' (saturated)' if cell['saturated'] else ''}, "
-                      f"{cell['local_prefills']:.0f} prompts computed on decode", flush=True)
+                _print_cell(running, output_len, cell)
             mixes.append({"running": running, "output_len": output_len, "cells": cells})
     unsaturated = [c for m in mixes for c in m["cells"] if not c["saturated"]]
     summary = {
@@ -132,6 +160,12 @@ def run_protect_bench(args) -> int:
               "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "fn"}}
     write_result(out / "protect.json", result)
     print(f"wrote {out / 'protect.json'} and {plot_protect(result, out / 'protect.png')}")
+    if steps:  # the worst unsaturated cell's decode steps, drawn; every cell's, kept
+        write_result(out / "protect-steps.json", steps)
+        worst = max((c for m in mixes for c in m["cells"]), key=lambda c: (not c["saturated"], c["p99_itl_inflation"]))
+        mix = next(m for m in mixes if worst in m["cells"])
+        key = f"{mix['running']}x{mix['output_len']}/{worst['prompt_len']}@{worst['arrival_rate']:g}"
+        print(f"wrote {out / 'protect-steps.json'} and {plot_decode_steps(key, steps[key], out / 'protect-steps.png')}")
     failed = sum(c["decodes_failed"] for m in mixes for c in m["cells"])
     if failed:
         print(f"FAIL: {failed} decode requests failed: their cells' figures do not hold")

@@ -30,6 +30,7 @@ from cluster.engine.sampler import SampleInput, Sampler
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
+from cluster.engine.step_timeline import StepTimeline
 from cluster.engine.step_times import StepTimes
 from cluster.engine.tp_ranks import TensorParallelRanks, resolved
 from cluster.errors import InvalidRequestError
@@ -136,6 +137,7 @@ class Engine:
         s = config.scheduler
         self.step_budget = StepBudget(s.max_num_batched_tokens, s.max_step_slowdown, floor=MIN_PROMPT_CHUNK)
         self.step_times = StepTimes()
+        self.timeline = StepTimeline()
         # CUDA graphs for decode steps on one GPU; tensor-parallel steps stay eager (their
         # all-reduces run through TensorParallelGroup, not captured).
         graphs = torch.device(config.device).type == "cuda" and not config.enforce_eager and self.ranks is None
@@ -302,6 +304,7 @@ class Engine:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        began = self.timeline.begin()
         sched = self.scheduler.schedule(self.step_budget.prompt_tokens(self.scheduler.num_decoding))
         if sched.is_empty:
             return []
@@ -315,7 +318,9 @@ class Engine:
         self.step_times.observe(num_decode, sched.total_tokens - num_decode, seconds)
         updates = self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
         outputs = [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
-        return outputs + self._kv_progress(sched)
+        outputs += self._kv_progress(sched)
+        self.timeline.end(began, num_decode, sched.total_tokens - num_decode, still_running=bool(self.scheduler.running))
+        return outputs
 
     def _kv_progress(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Progress outputs of the stream_kv requests this step computed a chunk of without

@@ -81,6 +81,8 @@ SERVE_FLAGS = (
     Flag("--max-local-prefill-tokens", ("routing.max_local_prefill_tokens",), "a prompt of at most this many uncached tokens "
          "is computed by its decode worker when the prefill tier's queue would start it later (conditional "
          "disaggregation); 0: every prompt goes to the prefill tier"),
+    Flag("--saturated-prefill-queue-tokens", ("routing.saturated_prefill_queue_tokens",), "beside running decodes, "
+         "a decode worker computes a prompt only once this many prompt tokens queue on the prefill tier"),
     Flag("--migration-limit", ("routing.migration_limit",), "re-issues of a request whose decode worker fails mid-stream "
          "(0: the client gets the error)"),
     Flag("--stall-timeout-s", ("routing.stall_timeout_s",), "a stream without a token for this long counts as a failed worker"),

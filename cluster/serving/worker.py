@@ -17,6 +17,7 @@ import ray.util
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
+from cluster.engine.step_timeline import StepRecord
 from cluster.engine.step_times import Histograms
 from cluster.kv.prefix_index import IndexPublisher
 from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
@@ -141,6 +142,12 @@ class EngineWorker:
             "index": self.index.counts if self.index else {},
             "phase_seconds": self.phases.snapshot(),
         }
+
+    async def step_timeline(self, route: RouteHint | None = None, since: float = 0.0) -> dict:
+        """The engine's steps that began at or after wall-clock time `since`, as rows of
+        cluster/engine/step_timeline.py's fields. `route` only steers Serve's request router."""
+        steps = await self.engine.call(lambda e: e.timeline.since(since))
+        return {"worker_id": self.worker_id, "fields": StepRecord._fields, "steps": [tuple(s) for s in steps]}
 
     @staticmethod
     async def _rank_call(method) -> dict:

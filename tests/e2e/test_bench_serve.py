@@ -2,11 +2,15 @@
 with vllm's keys, plots written, arrivals at the requested rate, every dataset, and
 failures counted by kind."""
 
+import asyncio
 import json
+import time
 
 import pytest
 
+from cluster.bench.decode_timeline import alone_medians, attribute, decode_timelines
 from cluster.bench.serve_bench import arrival_times
+from cluster.engine.sampling_params import SamplingParams
 from cluster.cli import build_parser
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 
@@ -95,6 +99,28 @@ def test_protect_reports_each_cell_of_its_grid_with_a_plot(live, engine_config, 
         assert 0 < cell["prefill_busy"] and cell["saturated"] == (cell["prefill_busy"] >= 0.9)
     assert result["summary"]["median_p99_itl_inflation"] > 0 and result["cpu"]
     assert (tmp_path / "protect.png").stat().st_size > 0
+
+
+def test_the_decode_tier_accounts_for_every_step_it_decoded(live):
+    """The decode workers' step timelines (what `bench protect` reads on a local target):
+    two streams prefilled on the prefill tier decode every token after their first in
+    the decode worker's steps, each step's CPU within its time."""
+    since = time.time()
+
+    async def stream(ids):
+        return [t async for out in live.handle.options(stream=True).generate.remote(ids, params) for t in out.new_token_ids]
+
+    async def both():
+        return await asyncio.gather(stream(list(range(100, 140))), stream(list(range(200, 230))))
+
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert [len(tokens) for tokens in asyncio.run(both())] == [20, 20]
+    timelines = decode_timelines(since)
+    (steps,) = timelines.values()
+    assert sum(s["decode"] for s in steps) == 2 * 19 and sum(s["prompt"] for s in steps) == 0
+    assert all(s["t"] >= since and 0 <= s["cpu_s"] <= s["step_s"] + 0.002 and s["between_s"] >= 0 for s in steps)
+    account = attribute(timelines, alone_medians(timelines))
+    assert account["decode_steps"] == len(steps) and account["p99_interval_ms"] > 0
 
 
 def test_failures_are_counted_by_kind(live, engine_config, tmp_path):

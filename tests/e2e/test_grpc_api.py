@@ -174,7 +174,8 @@ def test_a_client_that_cancels_its_call_aborts_the_request_on_every_tier(live, s
     checks that no block is lost there either)."""
     aborted_before = sum(s["finished"].get("abort", 0) for s in live.handle.worker_stats.remote().result()["decode"].values())
     call = stub.Generate(pb.GenerateRequest(text="Hi", params=greedy(LONG)), metadata=AUTH)
-    next(call)
+    next(call)  # the first token comes from the prefill side:
+    next(call)  # the second from decode, so the request is there when the cancel lands
     call.cancel()
     assert wait_until(lambda: all_blocks_returned(live.handle), timeout_s=30)
     aborted = sum(s["finished"].get("abort", 0) for s in live.handle.worker_stats.remote().result()["decode"].values())

@@ -139,11 +139,13 @@ def _local_prefills(handle) -> int:
 def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, wide_model_config, max_local):
     """A burst of 200-token prompts onto a prefill replica that has fallen behind (stopped,
     SIGSTOP, until the burst is placed: behind whatever the machine's speed): with local
-    prefill allowed (max_local_prefill_tokens 512), once its queue would start a prompt later
-    than the decode worker can finish it, the decode worker computes it itself (no
-    transfer); the first prompts still go to the prefill tier. With 0, all go there. Outputs
-    are the undisturbed greedy ones either way, and every block returns."""
-    handle = live.redeploy(routing=RoutingConfig(max_local_prefill_tokens=max_local), engine=wide_model_config)
+    prefill allowed (max_local_prefill_tokens 512), once its queue is saturated (three
+    prompts, saturated_prefill_queue_tokens 600) and would start a prompt later than the
+    decode worker can finish it, the decode worker computes it itself (no transfer); the
+    first prompts still go to the prefill tier. With 0, all go there. Outputs are the
+    undisturbed greedy ones either way, and every block returns."""
+    routing = RoutingConfig(max_local_prefill_tokens=max_local, saturated_prefill_queue_tokens=600)
+    handle = live.redeploy(routing=routing, engine=wide_model_config)
     reference = Engine(wide_model_config)
     rng = random.Random(max_local)  # prompts of its own: no cache holds them (replicas outlive a redeploy)
     prompts = [[rng.randrange(10, reference.loaded.arch.vocab_size) for _ in range(200)] for _ in range(6)]

@@ -32,12 +32,13 @@ def redis_url():
         yield r.url
 
 
-def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4, max_local=0):
+def placer(url, live: dict[str, set[str]], policy="kv_aware", margin=4, max_local=0, saturated=0):
     """max_local (max_local_prefill_tokens): 0 unless a test is about it, so that a burst's
     growing prefill queue does not move prompts to the decode tier in tests of the tiers'
-    own choices."""
+    own choices; saturated (saturated_prefill_queue_tokens): 0 unless a test is about it."""
     metrics = GatewayMetrics("t")
-    routing = RoutingConfig(policy=policy, load_margin=margin, max_local_prefill_tokens=max_local)
+    routing = RoutingConfig(policy=policy, load_margin=margin, max_local_prefill_tokens=max_local,
+                            saturated_prefill_queue_tokens=saturated)
     names = {"PrefillWorker": "prefill", "DecodeWorker": "decode"}
     return Placer(CONFIG, routing, url, False, metrics, live=lambda d: frozenset(live[names[d]])), metrics
 
@@ -181,22 +182,24 @@ def test_a_prompt_goes_to_the_prefill_tier_while_it_keeps_up(redis_url):
     assert metrics.local_prefills._value.get() == 0
 
 
-def test_a_prompt_goes_to_its_decode_worker_when_the_prefill_queue_would_start_it_later(redis_url):
+@pytest.mark.parametrize("saturated_prompts", [0, 5])
+def test_a_prompt_goes_to_its_decode_worker_when_the_prefill_queue_would_start_it_later(redis_url, saturated_prompts):
     """Placed in a burst: once the prefill worker's queue holds more than twice the decode
     worker's own prompt work (max_step_slowdown 2: it computes prompts at half rate beside its
-    decodes), prompts are computed where they decode; both tiers then share the burst."""
+    decodes) and, beside running requests, has reached saturated_prefill_queue_tokens,
+    prompts are computed where they decode; both tiers then share the burst."""
+    n = len(PROMPT)
     publish(redis_url, ("prefill", "p1", {}), ("decode", "d1", {"running": 8}))
-    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=512)
+    p, metrics = placer(redis_url, {"prefill": {"p1"}, "decode": {"d1"}}, max_local=512, saturated=saturated_prompts * n)
     placements = place(p, 12, prompts=distinct)  # one prompt 12 times would be computed once
     local = [pl.local_prefill for pl in placements]
-    n = len(PROMPT)
-    assert local[:3] == [False, False, False]  # queue 0, n, 2n: not more than 2 x n
-    assert local[3]  # queue 3n > 2 x (0 + n)
-    assert 3 <= sum(local) <= 5 and metrics.local_prefills._value.get() == sum(local)
+    first_local = max(3, saturated_prompts)  # queue 3n > 2 x (0 + n), and saturated
+    assert not any(local[:first_local]) and local[first_local]
+    assert 2 <= sum(local) <= 5 and metrics.local_prefills._value.get() == sum(local)
     # each local prompt is the decode worker's work now (this gateway's in-flight count)
     assert p.in_flight.prefill_tokens["decode-d1"] == sum(local) * n
     assert all(pl.prefill_worker == "decode-d1" for pl in placements if pl.local_prefill)
-    p.first_token(placements[3])  # its first token: no longer prompt work anywhere
+    p.first_token(placements[first_local])  # its first token: no longer prompt work anywhere
     assert p.in_flight.prefill_tokens["decode-d1"] == (sum(local) - 1) * n
 
 
