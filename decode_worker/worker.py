@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.outputs import RequestOutput
@@ -50,9 +51,11 @@ PREFILL_RETRY_BACKOFF_S = 0.2
 @dataclass
 class _Receive:
     """A request's KV receive: its thread's future once started (by the prefill's first
-    message), None until then."""
+    message), None until then; `arrived` is set by that thread once the whole KV is in
+    (read on the engine thread: AsyncEngine.accept_first_token)."""
 
     future: asyncio.Future | None = None
+    arrived: threading.Event = field(default_factory=threading.Event)
 
     async def settle(self) -> None:
         """Wait for the receive to end, however it ends; then there is none."""
@@ -61,6 +64,7 @@ class _Receive:
             if not self.future.cancelled():
                 self.future.exception()  # retrieved: the failed attempt it belonged to is over
             self.future = None
+            self.arrived.clear()  # that attempt's KV: the next attempt writes the blocks again
 
 
 class DecodeWorker(EngineWorker):
@@ -80,7 +84,10 @@ class DecodeWorker(EngineWorker):
         # Faults survived: transfers that failed (recomputed here), prefill calls that failed
         # (retried or computed here); and prompts placed here to compute (local_prefill).
         # The transport counts its own transfers.
-        self._counts = {"recomputed": 0, "prefill_faults": 0, "computed_here": 0, "local_prefills": 0}
+        # How often a request joined the batch only after its first token (its KV not yet in
+        # when the first token was accepted: the second token waits one step longer).
+        self._counts = {"recomputed": 0, "prefill_faults": 0, "computed_here": 0, "local_prefills": 0,
+                        "joined_after_first_token": 0}
 
     async def decode(self, req: GenerateRequest) -> int:
         """Run the request, its deltas going to the gateway's delta channel at
@@ -137,14 +144,13 @@ class DecodeWorker(EngineWorker):
                     yield out
                 return
             try:
-                first = await self.engine.call(
-                    lambda e: e.accept_first_token(req.request_id, result.first_token_id, result.first_logprob)
-                )
+                first, joined = await self.engine.accept_first_token(
+                    req.request_id, result.first_token_id, result.first_logprob, kv_arrived=receive.arrived.is_set)
                 if first is None:
                     raise EngineDeadError(f"request {req.request_id} stopped waiting for its KV")
                 span.event("first_token")
-                yield first  # the client's first token, while the KV is still in flight
-                if not first.finished:
+                yield first  # the client's first token, while the KV may still be in flight
+                if not first.finished and joined is None:
                     kv_received = await asyncio.shield(receive.future)
             except BaseException:
                 # Cancelled, abandoned or failed while the receiving thread writes into the
@@ -156,7 +162,10 @@ class DecodeWorker(EngineWorker):
             if first.finished:  # its first token ended it: the blocks go once the receive is over
                 self._abort_after(receive.future, req.request_id)
                 return
-            async for out in self.engine.commit_remote(req.request_id, kv_received):
+            if joined is None:  # the KV came after the first token: it joins the batch now
+                self._counts["joined_after_first_token"] += 1
+                joined = self.engine.commit_remote(req.request_id, kv_received)
+            async for out in joined:
                 yield out
         finally:
             if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation ...
@@ -198,7 +207,7 @@ class DecodeWorker(EngineWorker):
                         received = trace.child("kv_receive", self.phases, transfer_id=message.transfer_id,
                                                **self.transfer_attributes(len(block_ids), message.prefill_endpoints[0]))
                         receive.future = asyncio.get_running_loop().run_in_executor(
-                            self._receivers, self._receive, message, block_ids, received
+                            self._receivers, self._receive, message, block_ids, receive.arrived, received
                         )
                     if isinstance(message, PrefillResult):
                         result = message
@@ -248,11 +257,13 @@ class DecodeWorker(EngineWorker):
 
         receiving.add_done_callback(abort)
 
-    def _receive(self, result: PrefillStarted, block_ids: list[int], span: tracing.Span = tracing.NO_SPAN) -> bool:
+    def _receive(self, result: PrefillStarted, block_ids: list[int], arrived: threading.Event,
+                 span: tracing.Span = tracing.NO_SPAN) -> bool:
         """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
         try:
             with span:
                 self.recv_kv(result.prefill_id, result.prefill_endpoints, block_ids, result.transfer_id)
+            arrived.set()
             return True
         except KVTransferError as e:
             if self.policy == "fail":

@@ -65,13 +65,14 @@ class PrefillWorker(EngineWorker):
                 if out.kv_progress is not None:
                     chunks += 1
                     if send.computed(*out.kv_progress) and not started:
-                        started = True
+                        started = send.announced = True
                         yield transfer  # the decode worker receives from now on
                     continue
             self.publish_soon()  # the prompt's blocks are cached now
             if out is None or out.held_block_ids is None:  # it ended without holding its KV (aborted): nothing to send
                 raise EngineDeadError(f"the prefill of {req.request_id} ended without its KV ({out and out.finish_reason})")
             span.set(chunks=chunks + 1, prefix_hit_tokens=out.num_cached_tokens)
+            send.announced = True  # (by the PrefillResult below, if not before)
             send.finish(out.held_block_ids)  # the last part
         except BaseException as e:
             send.abandon()  # (the engine freed the blocks with the request; the receiver fails at once)
@@ -118,6 +119,9 @@ class _KVSend:
         self.skip, self.total = req.num_cached_tokens // worker.block_size, req.num_blocks
         self.queued = 0  # blocks handed to the thread so far (of `total`)
         self.abandoned = False  # nothing more is queued
+        # The decode worker was sent the transfer's id (it may receive): only then does an
+        # abandoned transfer send its failure notice. One it never heard of has no receiver.
+        self.announced = False
         self.parts: queue.SimpleQueue = queue.SimpleQueue()
         worker._sender.submit(self._run)
 
@@ -165,7 +169,7 @@ class _KVSend:
                 self.worker.engine.abort(self.req.request_id)  # releases held blocks, on the engine thread (else a no-op)
                 return
             if item is _ABANDONED:
-                if not failed:  # the receiver still waits for the next part: it fails at once now
+                if not failed and self.announced:  # the receiver still waits for the next part: it fails at once now
                     self._send(Part((), sent, self.total), abandon=True)
                 failed = True
             elif not failed:

@@ -184,7 +184,8 @@ def run_chaos(args) -> int:
     args.local_model = args.local_model or str(builtin_model_path())
     routing = RoutingConfig(migration_limit=args.migration_limit, stall_timeout_s=args.stall_timeout_s)
     replicas = {"decode": target.decode} if target.colocated else {"prefill": target.prefill, "decode": target.decode}
-    with local_ray(args, target if args.nodes else None) as nodes, local_cluster(args.target, args, routing, args.nodes) as url:
+    with (local_ray(args, target if args.nodes else None, specs=[args.target]) as nodes,
+          local_cluster(args.target, args, routing, args.nodes) as url):
         run_args = copy.copy(args)
         run_args.base_url, run_args.model, run_args.tokenizer = url, None, args.local_model
         handle = serve.get_app_handle(APP_NAME)

@@ -119,7 +119,7 @@ def _target(args) -> Iterator[str]:
     if local_target(args.target) is None:
         yield args.target
         return
-    with local_ray(args), local_cluster(args.target, args) as url:
+    with local_ray(args, specs=[args.target]), local_cluster(args.target, args) as url:
         yield url
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import os
 import re
 import statistics
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,11 @@ from cluster.bench.plots import plot_attainment, plot_compare
 from cluster.bench.provenance import write_result
 from cluster.bench.serve_bench import run_once
 from cluster.config import APP_NAME, ClusterConfig, RoutingConfig, TierConfig
-from cluster.host import local_nodes
+from cluster.host import engine_cores, local_nodes
 from cluster.launch.app import build_app
 from cluster.launch.ports import free_port
 from cluster.launch.redis_server import PrivateRedis
-from cluster.launch.serve import on_this_machine, start_local_nodes, start_local_ray
+from cluster.launch.serve import engine_cores_of, on_this_machine, start_local_nodes, start_local_ray
 
 COMPARED = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -134,13 +135,18 @@ def parse_target(spec: str):
 
 
 @contextmanager
-def local_ray(args, nodes_for: LocalTarget | None = None):
+def local_ray(args, nodes_for: LocalTarget | None = None, specs: Sequence[str] = ()):
     """A local Ray with Serve's HTTP proxy on a free port and a private redis-server, for
     local targets (sets args._http_port and args._redis, which local_cluster reads).
     `nodes_for`: a Ray of several nodes instead, one per replica of that target's tiers
-    (cluster/host/local_nodes.py), yielded; deploy with local_cluster(nodes=True)."""
+    (cluster/host/local_nodes.py), yielded; deploy with local_cluster(nodes=True).
+    `specs`: the local targets it will serve; where they all give the decode engines the
+    same cores of their own, everything it starts, and this process's load client, stays
+    off them, as under `pdserve serve` (cluster/host/engine_cores.py: keep_off)."""
     cpus = max(4, os.cpu_count() or 1)
     nodes = None
+    plans = {engine_cores_of(local_config(spec, args)) for spec in specs}
+    cores_before = engine_cores.keep_off(plans.pop() if len(plans) == 1 and nodes_for is None else None)
     if nodes_for is None:
         start_local_ray(cpus, args.ingress, log_to_driver=False)
     else:
@@ -162,18 +168,17 @@ def local_ray(args, nodes_for: LocalTarget | None = None):
         ray.shutdown()
         if args._redis is not None:
             args._redis.stop()
+        os.sched_setaffinity(0, cores_before)
 
 
-@contextmanager
-def local_cluster(spec: str, args, routing: RoutingConfig | None = None, nodes: bool = False):
-    """Deploy `spec` on the local Ray (local_ray) and yield its base URL. `routing`
-    overrides the placement settings (its policy comes from the spec); `nodes`: each
-    replica on a node of its tier (local_ray's `nodes_for`)."""
+def local_config(spec: str, args, routing: RoutingConfig | None = None, nodes: bool = False,
+                 redis_url: str | None = None) -> ClusterConfig:
+    """The cluster configuration of local target `spec` (see local_cluster)."""
     target = local_target(spec)
     threads = target.threads or args.torch_threads
     resources = local_nodes.placement() if nodes else {}
     decode = TierConfig(num_replicas=target.decode, num_cpus=0.5, torch_threads=threads, resources=resources.get("decode"))
-    config = ClusterConfig(
+    return ClusterConfig(
         engine=local_engine_config(args, served_model_name="bench"),
         prefill=decode if target.colocated else dataclasses.replace(decode, num_replicas=target.prefill,
                                                                     resources=resources.get("prefill")),
@@ -181,9 +186,17 @@ def local_cluster(spec: str, args, routing: RoutingConfig | None = None, nodes: 
         router=TierConfig(num_cpus=0.1, resources=resources.get("router")),
         colocated=target.colocated,
         engine_cores=target.engine_cores,
-        redis_url=args._redis.url,
+        redis_url=redis_url,
         routing=dataclasses.replace(routing or RoutingConfig(), policy=target.routing or "kv_aware"),
     )
+
+
+@contextmanager
+def local_cluster(spec: str, args, routing: RoutingConfig | None = None, nodes: bool = False):
+    """Deploy `spec` on the local Ray (local_ray) and yield its base URL. `routing`
+    overrides the placement settings (its policy comes from the spec); `nodes`: each
+    replica on a node of its tier (local_ray's `nodes_for`)."""
+    config = local_config(spec, args, routing, nodes, redis_url=args._redis.url)
     serve.run(build_app(on_this_machine(config)), name=APP_NAME, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{args._http_port}"
@@ -197,7 +210,7 @@ def run_compare(args) -> int:
     if (local or offline_target(a_spec) or offline_target(b_spec)) and not args.local_model:
         raise ValueError("local and offline targets need --local-model MODEL_DIR")
     runs: dict[str, list[dict]] = {"A": [], "B": []}
-    with local_ray(args) if local else nullcontext():
+    with local_ray(args, specs=local) if local else nullcontext():
         for round_ in range(args.rounds):
             for label, spec in (("A", a_spec), ("B", b_spec)):
                 print(f"round {round_ + 1}/{args.rounds}: {label} = {spec}")

@@ -131,6 +131,30 @@ class AsyncEngine:
         self._post(_Call(fn, loop, future))
         return await future
 
+    async def accept_first_token(
+        self, request_id: str, token_id: int, logprob, kv_arrived: Callable[[], bool]
+    ) -> tuple[RequestOutput | None, AsyncIterator[RequestOutput] | None]:
+        """Accept the prefill worker's first token of a request reserved with
+        Engine.add_remote_request: (its delta, or None if the request stopped waiting; the
+        stream of its decode steps if it joined the batch too, else None: join it with
+        commit_remote once the KV is in). It joins in the same call, between two steps, when
+        `kv_arrived()` (asked on the engine thread) says the whole KV is in, so that the
+        next step computes the second token: the first-to-second gap is then one step, not
+        the wait for another step to end and then one."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+
+        def accept(engine: Engine) -> tuple[RequestOutput | None, bool]:
+            first = engine.accept_first_token(request_id, token_id, logprob)
+            if first is None or first.finished or self.dead is not None or not kv_arrived():
+                return first, False
+            if not engine.commit_remote(request_id, True):
+                return first, False
+            self._sinks[request_id] = sink
+            return first, True
+
+        first, joined = await self.call(accept)
+        return first, self._drain(request_id, sink) if joined else None
+
     async def commit_remote(self, request_id: str, kv_received: bool) -> AsyncIterator[RequestOutput]:
         """Join a request reserved with Engine.add_remote_request (its first token already
         accepted) to the batch and stream its decode steps."""

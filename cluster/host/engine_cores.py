@@ -8,14 +8,22 @@ lost up to 11 ms to other processes (step wall time minus its thread's CPU time:
 ms, 3.2 ms without the long prompts), and 1536-token prompts raised the decodes' p99 ITL
 1.31x.
 
-So a local cluster's driver can tell
+So a local cluster's driver
 
-- the decode tier which cores are theirs ($PDSERVE_ENGINE_CORES): the last cores of the
-  host. Each engine thread claims as many as it has torch threads (`claim_cores`: an
+- keeps everything else off those cores (`keep_off`): before it starts anything (redis,
+  Ray, the replicas; a benchmark's load client runs in it) it narrows its own affinity to
+  the other cores, which every process it starts inherits, and so every thread they start:
+  the gateway, HAProxy, Ray's processes, the load client, and the workers' event loops and
+  KV receives. Served 1P1D on 2 cores with long prompts arriving, 50-59 of ~60 slow decode
+  steps (over 1.2x their alone median) had been off their core, not computing (`pdserve
+  bench protect`'s step timelines);
+- tells the decode tier which cores are theirs ($PDSERVE_ENGINE_CORES): the last cores of
+  the host. Each engine thread claims as many as it has torch threads (`claim_cores`: an
   exclusive lock file per core, which the kernel releases when the process dies, so a
   restarted replica finds its core free) and binds itself to them; its OpenMP team
-  inherits the binding. The rest of the engine's process (its event loop, KV receives)
-  runs anywhere, like every other process;
+  inherits the binding. An engine thread that claims nothing (a prefill engine, a decode
+  engine that found its cores held) widens back to every core of the host
+  ($PDSERVE_HOST_CORES);
 - the prefill tier to yield ($PDSERVE_ENGINE_YIELDS): its engine threads run at
   SCHED_IDLE, on every core, so the control path always goes first, and a core that
   looks busy only with a prompt is where the scheduler puts what wakes up, not the decode
@@ -50,6 +58,7 @@ log = logging.getLogger(__name__)
 
 CORES_ENV = "PDSERVE_ENGINE_CORES"  # "2,3": the cores this host's decode engines claim from
 YIELDS_ENV = "PDSERVE_ENGINE_YIELDS"  # "1": this engine's threads run at SCHED_IDLE
+HOST_CORES_ENV = "PDSERVE_HOST_CORES"  # "0,1,2,3": every core an engine thread may run on (its process starts narrower)
 LOCK_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 HOST_CORES = tuple(sorted(os.sched_getaffinity(0)))
 
@@ -57,14 +66,35 @@ HOST_CORES = tuple(sorted(os.sched_getaffinity(0)))
 @dataclass(frozen=True)
 class CorePlan:
     decode: tuple[int, ...]  # the decode engines' cores, one per thread
+    host: tuple[int, ...] = HOST_CORES  # every core of the host
+
+    @property
+    def rest(self) -> tuple[int, ...]:
+        """The cores for everything but the decode engines."""
+        return tuple(c for c in self.host if c not in self.decode)
 
     @property
     def decode_env(self) -> dict[str, str]:
-        return {CORES_ENV: ",".join(map(str, self.decode))}
+        return {CORES_ENV: _cores_text(self.decode), HOST_CORES_ENV: _cores_text(self.host)}
 
     @property
     def prefill_env(self) -> dict[str, str]:
-        return {YIELDS_ENV: "1"}
+        return {YIELDS_ENV: "1", HOST_CORES_ENV: _cores_text(self.host)}
+
+
+def _cores_text(cores: Iterable[int]) -> str:
+    return ",".join(map(str, cores))
+
+
+def keep_off(plan: CorePlan | None) -> set[int]:
+    """In the driver, before it starts anything: the processes it starts from here on (and
+    the threads it starts) run off the decode engines' cores. Threads already running keep
+    theirs. Without a plan nothing changes. Returns the calling thread's cores before (to
+    restore with os.sched_setaffinity(0, ...) once the cluster is gone)."""
+    before = os.sched_getaffinity(0)
+    if plan is not None:
+        os.sched_setaffinity(0, plan.rest)  # 0: the calling thread, whose mask children inherit
+    return before
 
 
 def plan(decode_threads: int, engine_threads: int, mode: str = "auto",
@@ -77,7 +107,7 @@ def plan(decode_threads: int, engine_threads: int, mode: str = "auto",
         return None
     if mode == "auto" and engine_threads > len(cores):
         return None
-    return CorePlan(tuple(cores[-decode_threads:]))
+    return CorePlan(tuple(cores[-decode_threads:]), tuple(cores))
 
 
 @dataclass
@@ -138,8 +168,9 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
                         lock_dir: str = LOCK_DIR) -> EngineThreadPlacement:
     """On an engine thread, before its first parallel op (threads it starts inherit both):
     with $PDSERVE_ENGINE_CORES, claim `threads` of those cores and run on them (if too few
-    are free, stay unbound); with $PDSERVE_ENGINE_YIELDS, run at SCHED_IDLE. Without
-    either, or off CPU, nothing changes."""
+    are free, on every core of $PDSERVE_HOST_CORES); with $PDSERVE_ENGINE_YIELDS, run at
+    SCHED_IDLE on every core of $PDSERVE_HOST_CORES. Without them, or off CPU, nothing
+    changes."""
     environ = os.environ if environ is None else environ
     placement = EngineThreadPlacement()
     if device != "cpu":
@@ -153,4 +184,6 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
     if environ.get(YIELDS_ENV) == "1":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
         placement.yields = True
+    if placement.claim is None and (host := environ.get(HOST_CORES_ENV, "")):
+        os.sched_setaffinity(0, [int(c) for c in host.split(",")])  # the process started off the decode cores
     return placement

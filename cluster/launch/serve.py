@@ -23,7 +23,7 @@ from cluster.engine.runner import check_kv_cache_fits, kv_cache_dtype, rank_kv_c
 from cluster.host import engine_cores, local_ray
 from cluster.host.bind_policy import LOOPBACK, is_loopback
 from cluster.host.local_nodes import LocalNodes
-from cluster.host.openmp import usable_cpus, waiting_env
+from cluster.host.openmp import waiting_env
 from cluster.kv.redis_client import split_password_file
 from cluster.launch import ingress
 from cluster.launch.app import build_app, grpc_options
@@ -118,7 +118,8 @@ def on_this_machine(config: ClusterConfig) -> ClusterConfig:
     passively at OpenMP barriers if their threads outnumber its cores (cluster/host/openmp.py),
     and its decode engines get cores of their own if they leave one to spare, its prefill
     engines yielding to everything else (cluster/host/engine_cores.py)."""
-    env = waiting_env(compute_threads(config), usable_cpus())
+    # The host's cores, as this process found them before it kept off the decode cores (keep_off).
+    env = waiting_env(compute_threads(config), len(engine_cores.HOST_CORES))
     cores = engine_cores_of(config)
     prefill_env = {**env, **(cores.prefill_env if cores else {})}
     decode_env = {**env, **(cores.decode_env if cores else {})}
@@ -215,6 +216,8 @@ def run_serve(args) -> int:
             if port and not port_free(args.host, port):
                 # Serve's proxies bind with SO_REUSEPORT: a second server would silently share it.
                 raise ValueError(f"{what} port {port} is in use (another pdserve serve?); pass --{what.lower()}-port")
+    # Everything this process starts for a local cluster stays off the decode engines' cores.
+    engine_cores.keep_off(None if address else engine_cores_of(config))
     redis = None
     if config.redis_url is None:
         redis = PrivateRedis()

@@ -10,8 +10,8 @@ import pytest
 
 from cluster.bench.decode_timeline import alone_medians, attribute, decode_timelines
 from cluster.bench.serve_bench import arrival_times
-from cluster.engine.sampling_params import SamplingParams
 from cluster.cli import build_parser
+from cluster.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import API_KEY, MODEL_NAME
 
 

@@ -2,11 +2,14 @@
 tokens as one colocated engine. This is the data path the workers run, minus Ray and
 the network (blocks are copied directly between the two engines' caches here)."""
 
+import asyncio
 import dataclasses
+import threading
 
 import pytest
 
 from cluster.config import CacheConfig, SchedulerConfig
+from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 
@@ -230,3 +233,41 @@ def test_a_lost_prefill_is_computed_on_the_decode_engine(tiny_llama):
     assert tokens == want
     d_engine.check_integrity()
     assert d_engine.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kv_in_before_the_first_token", [True, False])
+def test_a_request_whose_kv_is_in_joins_the_batch_with_its_first_token(tiny_llama, kv_in_before_the_first_token):
+    """Through AsyncEngine (as the decode worker runs it): the KV in when the first token
+    is accepted, the request joins the batch in that same call (its stream comes back with
+    the first token); otherwise it joins with commit_remote once the KV is in. Both give
+    the colocated tokens and free every block."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (want,) = [c.token_ids for c in make_engine(tiny_llama).generate([PROMPTS[1]], params)]
+    p_engine, d_engine = make_engine(tiny_llama), make_engine(tiny_llama)
+    rid, first_token = prefill(p_engine, PROMPTS[1], params)
+    aengine = AsyncEngine(lambda: d_engine)
+    arrived = threading.Event()
+
+    async def decode() -> tuple[list[int], bool]:
+        request = d_engine.inputs.process(PROMPTS[1], params)
+        drid, dst_ids, num_cached = await aengine.call(lambda e: e.add_remote_request(request))
+
+        def receive():  # the receiving thread: the blocks, then the event
+            copy_blocks(p_engine, p_engine.block_table(rid)[num_cached // BS :], d_engine, dst_ids)
+            arrived.set()
+
+        if kv_in_before_the_first_token:
+            receive()
+        first, joined = await aengine.accept_first_token(drid, first_token, None, kv_arrived=arrived.is_set)
+        tokens, joined_with_first = list(first.new_token_ids), joined is not None
+        if joined is None:
+            await asyncio.to_thread(receive)
+            joined = aengine.commit_remote(drid, True)
+        return tokens + [t async for out in joined for t in out.new_token_ids], joined_with_first
+
+    try:
+        tokens, joined_with_first = asyncio.run(decode())
+    finally:
+        aengine.shutdown()
+    assert tokens == want and joined_with_first == kv_in_before_the_first_token
+    assert p_engine.release(rid) and d_engine.pool.num_used_blocks == 0

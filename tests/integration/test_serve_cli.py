@@ -66,6 +66,21 @@ def stream_text(client, out: dict) -> None:
         out["error"] = e
 
 
+def _threads(process: psutil.Process) -> list:
+    try:
+        return process.threads()
+    except psutil.Error:  # it ended meanwhile
+        return []
+
+
+def _placement(thread_id: int) -> tuple[set[int], int] | None:
+    """A thread's cores and scheduling policy (None: it ended meanwhile)."""
+    try:
+        return os.sched_getaffinity(thread_id), os.sched_getscheduler(thread_id)
+    except OSError:
+        return None
+
+
 @pytest.mark.parametrize(
     ("stop_signal", "ingress", "host", "torch_threads", "kv_cache_dtype"),
     [(signal.SIGINT, "auto", "127.0.0.1", 1, "auto"), (signal.SIGTERM, "proxy", "0.0.0.0", 2, "bfloat16")],
@@ -149,9 +164,15 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         cores = engine_cores.plan(torch_threads, 2 * torch_threads)
         assert [(r["cores"], r["yields"]) for r in ranks] == [(None, bool(cores)), (list(cores.decode) if cores else None, False)]
         prefill, decode = (psutil.Process(r["pid"]) for r in ranks)
-        assert decode.cpu_affinity() == list(engine_cores.HOST_CORES)  # the main thread: anywhere
+        assert decode.cpu_affinity() == list(cores.rest if cores else engine_cores.HOST_CORES)  # the main thread: off them
         assert any(cores and os.sched_getaffinity(t.id) == set(cores.decode) for t in decode.threads()) == bool(cores)
         assert any(os.sched_getscheduler(t.id) == os.SCHED_IDLE for t in prefill.threads()) == bool(cores)
+        if cores:  # nothing else of the cluster may run there: only the decode engine's and yielding threads
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            placed = [(p.name(), t.id, _placement(t.id)) for p in tree for t in _threads(p)]
+            stray = [(name, tid, pl) for name, tid, pl in placed if pl and pl[0] & set(cores.decode)
+                     and pl[0] != set(cores.decode) and pl[1] != os.SCHED_IDLE]
+            assert stray == [] and len(placed) > 100
         # A hung worker does not hang the status: it lists the others and names what is missing.
         prefill.suspend()
         try:

@@ -250,6 +250,18 @@ def _prefill_parts(endpoints, transfers, timeout_s, parts, abandon_at=None, faul
         return {"outcomes": outcomes, "stats": kv.stats()}
 
 
+def _decode_late(endpoints, transfers, timeout_s, late_s):
+    """Receives in order, the first of them `late_s` after the group is up (a decode worker
+    that reads the prefill's first message late, or never: `transfers` may omit one)."""
+    caches = random_caches(DECODE_SEED)
+    with Transport("decode", "d0", "cpu", timeout_s=timeout_s) as kv:
+        peer = _swap_as_decode(endpoints, kv)
+        kv.connect("p0", peer)
+        time.sleep(late_s)
+        outcomes = {tid: _attempt(kv.receive, "p0", peer, caches, dst, tid) for tid, _src, dst in transfers}
+        return {"outcomes": outcomes, "stats": kv.stats(), "caches": to_bytes(caches)}
+
+
 def _decode_sessions(endpoints):
     """Transfer 1 from a prefill replica; transfer 2 from its replacement (a new transport:
     a new session), whose group replaces the first's."""
@@ -448,6 +460,29 @@ def test_receiver_timeout_then_the_pair_recovers_on_the_next_transfer(children):
     assert torch.equal(pack_blocks(final, [7, 8]), pack_blocks(before, [7, 8]))
     for stats in (prefill["stats"], decode["stats"]):
         assert (stats["transfers_ok"], stats["transfers_failed"], stats["groups_created"]) == (2, 1, 2)
+
+
+@pytest.mark.parametrize("receiver", ["never_begins", "begins_too_late"])
+def test_a_transfer_whose_receive_does_not_begin_sends_nothing_and_the_group_stays_up(children, receiver):
+    """The handshake: transfer 1's receive never begins (its request was cancelled before
+    the decode worker read the prefill's first message) or begins after the sender gave
+    up: nothing is posted on the group for it (an unmatched gloo send would time out and
+    close the group under every transfer of the pair), both sides fail it at once, and
+    transfer 2 goes through the same group."""
+    send_timeout_s = 1.0
+    sent = FAULT_TRANSFERS[:2]
+    received = sent[1:] if receiver == "never_begins" else sent
+    decode, prefill = children.run(_decode_late, _prefill_transfers, (received, 10.0, send_timeout_s + 1.0),
+                                   (sent, send_timeout_s))
+    po, do = prefill["outcomes"], decode["outcomes"]
+    assert po[1][0] == "error" and "no receive began" in po[1][1] and po[2][0] == "ok", po
+    if receiver == "begins_too_late":
+        assert do[1][0] == "error" and "gave up before this receive began" in do[1][1], do
+    assert do[2][0] == "ok", do
+    final, source = from_bytes(decode["caches"]), random_caches(PREFILL_SEED)
+    assert torch.equal(pack_blocks(final, [7, 8]), pack_blocks(source, [0, 4]))
+    for stats in (prefill["stats"], decode["stats"]):
+        assert stats["groups_created"] == 1 and stats["transfers_ok"] == 1, stats
 
 
 def test_header_mismatch_fails_the_transfer_then_the_pair_recovers(children):

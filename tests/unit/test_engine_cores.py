@@ -10,28 +10,62 @@ import threading
 import pytest
 
 from cluster.config import ClusterConfig, EngineConfig, TierConfig
-from cluster.host.engine_cores import CORES_ENV, HOST_CORES, YIELDS_ENV, CorePlan, claim_cores, place_engine_thread, plan
+from cluster.host.engine_cores import (
+    CORES_ENV,
+    HOST_CORES,
+    HOST_CORES_ENV,
+    YIELDS_ENV,
+    CorePlan,
+    claim_cores,
+    keep_off,
+    place_engine_thread,
+    plan,
+)
 from cluster.launch.serve import engine_cores_of, on_this_machine
 
 several_cores = pytest.mark.skipif(len(HOST_CORES) < 2, reason="needs 2 cores")
 
 
 def test_the_decode_engines_take_the_last_cores_only_if_one_is_left_for_the_rest():
-    assert plan(1, 2, cores=[0, 1]) == CorePlan(decode=(1,))
-    assert plan(2, 4, cores=[5, 3, 4, 2]) == CorePlan(decode=(4, 5))
+    assert plan(1, 2, cores=[0, 1]) == CorePlan(decode=(1,), host=(0, 1))
+    assert plan(2, 4, cores=[5, 3, 4, 2]) == CorePlan(decode=(4, 5), host=(2, 3, 4, 5))
+    assert plan(2, 4, cores=[5, 3, 4, 2]).rest == (2, 3)  # for everything else
     assert plan(2, 2, "own", [0, 1]) is None  # nothing left for the gateway, Ray, the prefill engines
     assert plan(3, 3, "own", [0, 1]) is None
     assert plan(0, 1, "own", [0, 1]) is None
-    assert plan(1, 2, cores=[0, 1]).decode_env == {CORES_ENV: "1"}
-    assert plan(1, 2, cores=[0, 1]).prefill_env == {YIELDS_ENV: "1"}
+    assert plan(1, 2, cores=[0, 1]).decode_env == {CORES_ENV: "1", HOST_CORES_ENV: "0,1"}
+    assert plan(1, 2, cores=[0, 1]).prefill_env == {YIELDS_ENV: "1", HOST_CORES_ENV: "0,1"}
+
+
+@several_cores
+def test_the_driver_keeps_what_it_starts_off_the_decode_cores_and_engine_threads_widen_back(tmp_path):
+    cores = plan(1, 2, "own")
+
+    def driver():
+        before = keep_off(cores)
+        child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        started = _in_thread(lambda: os.sched_getaffinity(0))  # a thread it starts: the gateway's, the client's
+        yielding = _in_thread(lambda: (place_engine_thread(1, environ=cores.prefill_env, lock_dir=str(tmp_path)),
+                                       os.sched_getaffinity(0))[1])
+        decode = _in_thread(lambda: (place_engine_thread(1, environ=cores.decode_env, lock_dir=str(tmp_path)).release(),
+                                     os.sched_getaffinity(0))[1])
+        return before, os.sched_getaffinity(0), child, started, yielding, decode
+
+    before, narrowed, child, started, yielding, decode = _in_thread(driver)
+    assert before == set(HOST_CORES) and narrowed == started == set(cores.rest)
+    assert child == str(sorted(cores.rest))  # a process it starts inherits it
+    assert yielding == set(HOST_CORES)  # a prefill engine: every core again, at SCHED_IDLE
+    assert decode == set(cores.decode)  # a decode engine: its own core
+    assert keep_off(None) == os.sched_getaffinity(0) == set(HOST_CORES)  # no plan: nothing changes
 
 
 def test_auto_places_only_when_every_engine_thread_has_a_core():
     # 1P1D with a thread each on 2 cores: placed. 2P1D: three engine threads on two cores,
     # where a reserved core would leave two yielding prefill engines one core's leftovers.
     assert plan(1, 3, "auto", [0, 1]) is None
-    assert plan(1, 3, "own", [0, 1]) == CorePlan(decode=(1,))
-    assert plan(1, 3, "auto", [0, 1, 2]) == CorePlan(decode=(2,))
+    assert plan(1, 3, "own", [0, 1]).decode == (1,)
+    assert plan(1, 3, "auto", [0, 1, 2]).decode == (2,)
     assert plan(1, 2, "shared", [0, 1]) is None
 
 

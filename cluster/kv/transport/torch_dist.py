@@ -34,6 +34,17 @@ one-word ack, which comes after the receiver has unpacked the slot into its cach
 copy on each side, no socket copies, no page faults. After a failure the slot is
 dropped, never reused.
 
+A transfer begins with a handshake through the decode side's store (`_TransferKeys`),
+before either side posts anything on the group: the receiver marks the transfer's key
+"receiving" when it starts; the sender posts its first part (or failure notice) only
+once it sees that mark, and gives up if none comes within `timeout_s`, marking the key
+"gone" (compare-and-set: exactly one of the two marks wins). On gloo, an operation that
+no one matches times out and closes every connection of the group, failing every
+transfer on the pair: before the handshake, a prompt cancelled by its client while it
+computed sent its failure notice to a decode worker that had never heard of it, and 30 s
+later the pair's group died with 6-15 transfers in flight (`pdserve bench protect`, 16
+decodes: each recomputed on the decode worker, 10-40 s late).
+
 Invariants and failure handling:
 - Tags come from the transfer id, so the transfers of one pair may be posted in any
   order and run concurrently: a send meets the receive of the same id. Transfer ids
@@ -78,6 +89,56 @@ from cluster.kv.transport.packing import CacheGeometry, KVCaches, block_index, c
 log = logging.getLogger(__name__)
 
 PREFILL_RANK, DECODE_RANK = 0, 1
+RECEIVING, GONE = b"r", b"g"  # a transfer key's marks
+HANDSHAKE_POLL_S = 0.002  # the sender's look at the key while it waits for the receiver
+
+
+class _TransferKeys:
+    """The transfer handshake's keys in the decode side's store (module docstring). The
+    sender deletes a key once it has read the receiver's mark (nobody reads it again); a key
+    it marked gone stays 2 x timeout_s (a receiver arriving later still finds it), then the
+    sender deletes it."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._gone: list[tuple[float, dist.Store, str]] = []  # (delete after, store, key)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(session: str, transfer_id: int) -> str:
+        return f"pdserve/kv/transfer/{session}/{transfer_id}"
+
+    def await_receiver(self, store: dist.Store, key: str) -> bool:
+        """Sender: True once the receiver marked the key; False (marked gone) if it did not
+        within timeout_s."""
+        self._forget_old()
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check([key]):
+            if time.monotonic() >= deadline:
+                if store.compare_set(key, "", GONE) == RECEIVING:  # it came at the last moment
+                    break
+                with self._lock:
+                    self._gone.append((time.monotonic() + 2 * self.timeout_s, store, key))
+                return False
+            time.sleep(HANDSHAKE_POLL_S)
+        store.delete_key(key)  # (only the receiver marks a key this sender has not marked gone)
+        return True
+
+    @staticmethod
+    def start_receiving(store: dist.Store, key: str) -> bool:
+        """Receiver: mark the key; False if the sender gave up first."""
+        return store.compare_set(key, "", RECEIVING) == RECEIVING
+
+    def _forget_old(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [g for g in self._gone if g[0] <= now]
+            self._gone = [g for g in self._gone if g[0] > now]
+        for _, store, key in old:
+            try:
+                store.delete_key(key)
+            except Exception as e:  # noqa: BLE001 - the decode side is gone: so is its store
+                log.debug("could not delete transfer key %s: %s", key, e)
 
 
 @dataclass(frozen=True)
@@ -193,6 +254,7 @@ class TorchDistTransport(KVTransport):
         if self._slots is not None:
             shm_slots.sweep_dead_senders()
         self._timeout = timedelta(seconds=timeout_s)
+        self._keys = _TransferKeys(self.timeout_s)
         self._faults = fault_injection or FaultInjection()
         self._rank = PREFILL_RANK if role == "prefill" else DECODE_RANK
         self._lock = threading.Lock()  # guards _pairs, _counters, _closed
@@ -292,6 +354,8 @@ class TorchDistTransport(KVTransport):
             raise ValueError(f"part [{first}, {first + len(block_ids)}) is not within a transfer of {total} blocks")
         self._ensure_group(peer_id, peer)
         pair = self._pair_for_transfer(peer_id, transfer_id)
+        if first == 0:
+            self._await_receiver(pair, transfer_id)
         pg, failure, shared = None, None, False
         try:
             pg = self._live_group(pair)
@@ -321,6 +385,8 @@ class TorchDistTransport(KVTransport):
         self._require_role("prefill", "abandon")
         self._ensure_group(peer_id, peer)
         pair = self._pair_for_transfer(peer_id, transfer_id)
+        if first == 0:
+            self._await_receiver(pair, transfer_id)
         pg, failure = None, None
         try:
             pg = self._live_group(pair)
@@ -329,6 +395,14 @@ class TorchDistTransport(KVTransport):
             failure = self._failed(pair, pg, transfer_id, "abandon", e)
         pg = None
         self._count(transfers_failed=int(failure is None))  # (_failed counted the other case)
+
+    def _await_receiver(self, pair: _Pair, transfer_id: int) -> None:
+        """Before a transfer's first operation on the group: its receiver has begun (the
+        handshake), else KVTransferError, the group untouched."""
+        if not self._keys.await_receiver(self._pair_store(pair), self._keys.key(self._session, transfer_id)):
+            self._count(transfers_failed=1)
+            raise KVTransferError(f"{self.worker_id}: transfer {transfer_id} to {pair.peer_id!r}: no receive began within "
+                                  f"{self.timeout_s}s; nothing was sent")
 
     def _send_notice(self, pg, transfer_id: int, first: int, total: int, geometry: CacheGeometry) -> None:
         notice = wire.header(transfer_id, first, 0, total, geometry, wire.FAILED_MAGIC)
@@ -342,6 +416,11 @@ class TorchDistTransport(KVTransport):
         block_index(block_ids, geometry.num_blocks, geometry.device, unique=True)  # ValueError before any I/O
         self._ensure_group(peer_id, peer)
         pair = self._pair_for_transfer(peer_id, transfer_id)
+        key = self._keys.key(pair.session, transfer_id)
+        if not self._keys.start_receiving(self._store, key):
+            self._count(transfers_failed=1)
+            raise KVTransferError(f"{self.worker_id}: transfer {transfer_id} from {peer_id!r}: the sender gave up before "
+                                  f"this receive began")
         pg, failure, shared = None, None, True
         try:
             pg = self._live_group(pair)
