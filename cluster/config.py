@@ -76,10 +76,13 @@ class SchedulerConfig:
     # this many decode-only steps' time (learned online, cluster/engine/step_budget.py):
     # a long prompt joining the batch stalls each decode at most ~this much. 0: no cap.
     max_step_slowdown: float = 2.0
+    # ... but at least this many prompt tokens, so that prompts progress at a useful rate
+    # (where one token costs more than the cap allows, the floor sets the step).
+    min_prompt_chunk: int = 32
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.min_prompt_chunk < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and min_prompt_chunk must be >= 1")
         if self.max_step_slowdown != 0 and self.max_step_slowdown <= 1:
             raise ValueError("max_step_slowdown must be 0 (off) or > 1")
 
@@ -292,6 +295,11 @@ class ClusterConfig:
     # An OTLP/HTTP collector's base URL (http://host:4318): every replica exports a span per
     # phase of each request there (cluster/serving/tracing.py). None: no tracing.
     otlp_endpoint: str | None = None
+    # Decode protection: a disaggregated decode tier's engines keep the prompt work they do
+    # beside their decodes (prompts of a saturated prefill tier, recomputes after a failed
+    # transfer) within this many decode-only steps' time, with no minimum chunk (the
+    # engine's max_step_slowdown and min_prompt_chunk are for engines that do both phases).
+    decode_step_slowdown: float = 1.2
 
     def __post_init__(self) -> None:
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
@@ -305,15 +313,26 @@ class ClusterConfig:
         for name in ("http_port", "grpc_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a TCP port (1-65535), got {getattr(self, name)}")
+        if self.decode_step_slowdown != 0 and self.decode_step_slowdown <= 1:
+            raise ValueError("decode_step_slowdown must be 0 (off) or > 1")
 
-    def engine_for(self, tier: TierConfig) -> EngineConfig:
-        """The engine config of one tier's replicas: its threads and its TP layout."""
+    def engine_for(self, tier: TierConfig, role: str) -> EngineConfig:
+        """The engine config of one tier's replicas ("prefill" or "decode"): its threads, its
+        TP layout and its step budget (scheduler_for)."""
         return dataclasses.replace(
             self.engine,
             num_threads=tier.torch_threads,
             tensor_parallel_size=tier.tensor_parallel_size,
             tp_placement=tier.placement_strategy,
+            scheduler=self.scheduler_for(role),
         )
+
+    def scheduler_for(self, role: str) -> SchedulerConfig:
+        """A disaggregated decode tier's engines: decode_step_slowdown, no minimum chunk;
+        every other engine: the engine's own."""
+        if role != "decode" or self.colocated:
+            return self.engine.scheduler
+        return dataclasses.replace(self.engine.scheduler, max_step_slowdown=self.decode_step_slowdown, min_prompt_chunk=1)
 
 
 def from_dict(cls, data: dict):

@@ -29,7 +29,7 @@ from cluster.engine.runner import ModelRunner, check_kv_cache_fits, kv_cache_dty
 from cluster.engine.sampler import SampleInput, Sampler
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
-from cluster.engine.step_budget import MIN_PROMPT_CHUNK, StepBudget
+from cluster.engine.step_budget import StepBudget
 from cluster.engine.step_timeline import StepTimeline
 from cluster.engine.step_times import StepTimes
 from cluster.engine.tp_ranks import TensorParallelRanks, resolved
@@ -135,7 +135,7 @@ class Engine:
         self.kv = KVCacheManager(self.pool, config.model_id)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         s = config.scheduler
-        self.step_budget = StepBudget(s.max_num_batched_tokens, s.max_step_slowdown, floor=MIN_PROMPT_CHUNK)
+        self.step_budget = StepBudget(s.max_num_batched_tokens, s.max_step_slowdown, floor=s.min_prompt_chunk)
         self.step_times = StepTimes()
         self.timeline = StepTimeline()
         # CUDA graphs for decode steps on one GPU; tensor-parallel steps stay eager (their

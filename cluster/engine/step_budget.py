@@ -6,7 +6,8 @@ at most a bounded factor when long prompts join the batch (chunked prefill's kno
                        steps that carry both, net of D; from prompt-only steps until one
                        such step is seen)
     a step with decodes gets at most (max_step_slowdown - 1) x D / c prompt tokens,
-    at least `floor` (prompts always progress), at most the step's token budget
+    at least `floor` (SchedulerConfig.min_prompt_chunk: prompts always progress; a
+    disaggregated decode tier's is 1, so that its cap holds), at most the step's token budget
 
 Prompt work is dearer per token next to decodes and late in a long prompt (each chunk
 attends to all of the prompt before it), so c is learned from exactly those steps and
@@ -18,7 +19,6 @@ core or a GPU, a small model or a large one. Until D and c are known: the whole 
 from __future__ import annotations
 
 EMA = 0.3  # weight of the newest step in the averages: follows a long prompt as it grows
-MIN_PROMPT_CHUNK = 32  # prompt tokens a step may always carry, so prompts keep progressing
 
 
 class StepBudget:

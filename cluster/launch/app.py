@@ -86,18 +86,20 @@ def build_app(config: ClusterConfig) -> Application:
         # config deploys pass one (Ray is pinned, see pyproject.toml).
         return d.options(version=code_version(cls.__name__, *args), _internal=True)
 
-    gateway_args = (config.engine, config.gateway, config.routing, config.redis_url)
+    # The gateway's placement weighs prompt work on a decode worker at the decode tier's step budget.
+    gateway_engine = dataclasses.replace(config.engine, scheduler=config.scheduler_for("decode"))
+    gateway_args = (gateway_engine, config.gateway, config.routing, config.redis_url)
     # The gateway config's repr leaves out the API keys; their digest still versions it.
     gateway_version = (*gateway_args, hashlib.sha256("\n".join(config.gateway.api_keys).encode()).hexdigest())
     if config.colocated:
-        decode_args = (config.engine_for(config.decode), config.transport)
+        decode_args = (config.engine_for(config.decode, "decode"), config.transport)
         decode = deployment(DecodeWorker, config.decode, *decode_args, config.redis_url).bind(
             *decode_args, redis_url=config.redis_url
         )
         return deployment(Gateway, config.router, *gateway_version, "colocated").bind(*gateway_args, decode)
-    prefill_args = (config.engine_for(config.prefill), config.transport, config.redis_url)
+    prefill_args = (config.engine_for(config.prefill, "prefill"), config.transport, config.redis_url)
     prefill = deployment(PrefillWorker, config.prefill, *prefill_args).bind(*prefill_args)
-    decode_args = (config.engine_for(config.decode), config.transport)
+    decode_args = (config.engine_for(config.decode, "decode"), config.transport)
     decode = deployment(DecodeWorker, config.decode, *decode_args, config.redis_url, "disaggregated").bind(
         *decode_args, prefill, redis_url=config.redis_url
     )

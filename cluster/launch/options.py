@@ -52,6 +52,8 @@ SERVE_FLAGS = (
          "tokens one engine step computes at most (prompt chunks + decodes)"),
     Flag("--max-step-slowdown", ("engine.scheduler.max_step_slowdown",),
          "while requests decode, a step carries prompt work up to this many decode steps' time (0: no cap)"),
+    Flag("--decode-step-slowdown", ("decode_step_slowdown",), "decode protection: a disaggregated decode engine "
+         "keeps prompt work beside its decodes within this many decode-only steps' time (0: no cap)"),
     Flag("--prefill-replicas", ("prefill.num_replicas",), "prefill tier replicas"),
     Flag("--decode-replicas", ("decode.num_replicas",), "decode tier replicas"),
     Flag("--torch-threads", ("prefill.torch_threads", "decode.torch_threads"), "torch threads per worker replica rank"),

@@ -141,14 +141,15 @@ def test_a_prefill_tier_that_falls_behind_gets_help_from_the_decode_tier(live, w
     SIGSTOP, until the burst is placed: behind whatever the machine's speed): with local
     prefill allowed (max_local_prefill_tokens 512), once its queue is saturated (three
     prompts, saturated_prefill_queue_tokens 600) and would start a prompt later than the
-    decode worker can finish it, the decode worker computes it itself (no transfer); the
+    decode worker can finish it (beside requests at a sixth of the rate: decode_step_slowdown
+    1.2; so the eighth prompt), the decode worker computes it itself (no transfer); the
     first prompts still go to the prefill tier. With 0, all go there. Outputs are the
     undisturbed greedy ones either way, and every block returns."""
     routing = RoutingConfig(max_local_prefill_tokens=max_local, saturated_prefill_queue_tokens=600)
     handle = live.redeploy(routing=routing, engine=wide_model_config)
     reference = Engine(wide_model_config)
     rng = random.Random(max_local)  # prompts of its own: no cache holds them (replicas outlive a redeploy)
-    prompts = [[rng.randrange(10, reference.loaded.arch.vocab_size) for _ in range(200)] for _ in range(6)]
+    prompts = [[rng.randrange(10, reference.loaded.arch.vocab_size) for _ in range(200)] for _ in range(8)]
     expected = [c.token_ids for c in reference.generate(prompts, GREEDY)]
     before_local, before_metric = _local_prefills(handle), metric(scrape(live), "pdserve_route_local_prefills_total")
     received_before = sum(s["transport"]["transfers_ok"] for s in handle.worker_stats.remote().result()["decode"].values())

@@ -290,7 +290,7 @@ def test_prefill_replicas_span_two_gpus_of_one_node_and_decode_replicas_one(serv
     rank = {"CPU": cfg.prefill.num_cpus, "GPU": 1, **cfg.prefill.resources}
     assert prefill["placement_group_bundles"] == [rank, rank] and prefill["placement_group_strategy"] == "STRICT_PACK"
     assert "placement_group_bundles" not in decode
-    assert cfg.engine_for(cfg.prefill).tensor_parallel_size == 2 and cfg.engine_for(cfg.decode).tensor_parallel_size == 1
+    assert [cfg.engine_for(t, r).tensor_parallel_size for t, r in ((cfg.prefill, "prefill"), (cfg.decode, "decode"))] == [2, 1]
     build_app(cfg)  # Serve accepts the options: the replica's own resources fit bundle 0
 
 

@@ -17,12 +17,18 @@ def config_of(*flags: str):
 
 
 def test_scheduler_flags_reach_every_tier_engine():
-    config = config_of("--max-num-batched-tokens", "512", "--max-step-slowdown", "1.5")
-    for tier in (config.prefill, config.decode):
-        scheduler = config.engine_for(tier).scheduler
-        assert (scheduler.max_num_batched_tokens, scheduler.max_step_slowdown) == (512, 1.5)
-    defaults = config_of().engine.scheduler
-    assert (defaults.max_num_batched_tokens, defaults.max_step_slowdown) == (2048, 2.0)
+    """Every engine gets the step budget, but a disaggregated decode tier's holds prompt work
+    beside its decodes to --decode-step-slowdown, with no minimum chunk (decode protection)."""
+    config = config_of("--max-num-batched-tokens", "512", "--max-step-slowdown", "1.5", "--decode-step-slowdown", "1.1")
+    schedulers = {role: config.engine_for(tier, role).scheduler for role, tier in (("prefill", config.prefill),
+                                                                                  ("decode", config.decode))}
+    assert [(s.max_num_batched_tokens, s.max_step_slowdown, s.min_prompt_chunk) for s in schedulers.values()] == [
+        (512, 1.5, 32), (512, 1.1, 1)]
+    colocated = config_of("--colocated", "--max-step-slowdown", "1.5")
+    assert colocated.engine_for(colocated.decode, "decode").scheduler == colocated.engine.scheduler
+    defaults = config_of()
+    assert (defaults.engine.scheduler.max_num_batched_tokens, defaults.engine.scheduler.max_step_slowdown) == (2048, 2.0)
+    assert defaults.scheduler_for("decode").max_step_slowdown == defaults.decode_step_slowdown == 1.2
 
 
 @pytest.mark.parametrize("bench", [
@@ -45,7 +51,8 @@ def test_a_step_slowdown_below_one_is_refused():
 
 def test_kv_cache_dtype_flag_reaches_every_tier_engine_and_bad_ones_are_refused():
     config = config_of("--kv-cache-dtype", "bfloat16")
-    assert {config.engine_for(tier).cache.dtype for tier in (config.prefill, config.decode)} == {"bfloat16"}
+    assert {config.engine_for(config.prefill, "prefill").cache.dtype, config.engine_for(config.decode, "decode").cache.dtype} == {
+        "bfloat16"}
     assert config_of().engine.cache.dtype == "auto"
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         config_of("--kv-cache-dtype", "float16")
