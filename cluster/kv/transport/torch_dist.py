@@ -399,10 +399,14 @@ class TorchDistTransport(KVTransport):
     def _await_receiver(self, pair: _Pair, transfer_id: int) -> None:
         """Before a transfer's first operation on the group: its receiver has begun (the
         handshake), else KVTransferError, the group untouched."""
-        if not self._keys.await_receiver(self._pair_store(pair), self._keys.key(self._session, transfer_id)):
+        try:
+            began = self._keys.await_receiver(self._pair_store(pair), self._keys.key(self._session, transfer_id))
+            problem = None if began else f"no receive began within {self.timeout_s}s"
+        except Exception as e:  # noqa: BLE001 - the store is the peer's: it died, or is closing
+            problem = f"the handshake failed: {e}"
+        if problem is not None:
             self._count(transfers_failed=1)
-            raise KVTransferError(f"{self.worker_id}: transfer {transfer_id} to {pair.peer_id!r}: no receive began within "
-                                  f"{self.timeout_s}s; nothing was sent")
+            raise KVTransferError(f"{self.worker_id}: transfer {transfer_id} to {pair.peer_id!r}: {problem}; nothing was sent")
 
     def _send_notice(self, pg, transfer_id: int, first: int, total: int, geometry: CacheGeometry) -> None:
         notice = wire.header(transfer_id, first, 0, total, geometry, wire.FAILED_MAGIC)
