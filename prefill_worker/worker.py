@@ -120,7 +120,8 @@ class _KVSend:
         self.queued = 0  # blocks handed to the thread so far (of `total`)
         self.abandoned = False  # nothing more is queued
         # The decode worker was sent the transfer's id (it may receive): only then does an
-        # abandoned transfer send its failure notice. One it never heard of has no receiver.
+        # abandoned transfer send its failure notice (at once, or at close if it was told
+        # after: a preempted prompt still finishes). One it never heard of has no receiver.
         self.announced = False
         self.parts: queue.SimpleQueue = queue.SimpleQueue()
         worker._sender.submit(self._run)
@@ -162,15 +163,19 @@ class _KVSend:
         self.queued = end
 
     def _run(self) -> None:
-        failed, sent = False, 0
+        failed, sent, notice_due = False, 0, False
         while True:
             item = self.parts.get()
             if item is _CLOSED:
+                if notice_due and self.announced:  # abandoned before the decode worker heard of it, told since
+                    self._send(Part((), sent, self.total), abandon=True)
                 self.worker.engine.abort(self.req.request_id)  # releases held blocks, on the engine thread (else a no-op)
                 return
             if item is _ABANDONED:
                 if not failed and self.announced:  # the receiver still waits for the next part: it fails at once now
                     self._send(Part((), sent, self.total), abandon=True)
+                else:  # (a preempted prompt still finishes, and its PrefillResult then tells the decode worker)
+                    notice_due = not failed
                 failed = True
             elif not failed:
                 failed = not self._send(item)
