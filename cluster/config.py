@@ -79,10 +79,17 @@ class SchedulerConfig:
     # ... but at least this many prompt tokens, so that prompts progress at a useful rate
     # (where one token costs more than the cap allows, the floor sets the step).
     min_prompt_chunk: int = 32
+    # A prompt whose KV streams to a decode worker (a prefill tier's) and has more than
+    # twice this many tokens left computes its last this-many in a chunk of their own: the
+    # KV of the rest is sent while that chunk computes, so only the last chunk's is still
+    # on its way at the first token (the second token waits for it). 0: whole budget.
+    stream_kv_tail_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.min_prompt_chunk < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and min_prompt_chunk must be >= 1")
+        if self.stream_kv_tail_tokens < 0:
+            raise ValueError("stream_kv_tail_tokens must be >= 0")
         if self.max_step_slowdown != 0 and self.max_step_slowdown <= 1:
             raise ValueError("max_step_slowdown must be 0 (off) or > 1")
 

@@ -185,7 +185,7 @@ class Engine:
         so that a prefill worker sends it while the rest computes.
         """
         queued = self._new_request(request, request_id, hold_kv, generated)
-        self._outputs[queued.request_id].stream_kv = stream_kv
+        queued.stream_kv = self._outputs[queued.request_id].stream_kv = stream_kv
         self.scheduler.add_request(queued)
         return queued.request_id
 

@@ -49,6 +49,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str = ""
     hold_kv: bool = False  # on finish, keep the blocks until released (they are sent to a decode worker)
+    stream_kv: bool = False  # its KV is sent as its chunks compute (SchedulerConfig.stream_kv_tail_tokens)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -329,9 +329,13 @@ class Scheduler:
         return min(tokens, limit)
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        left = request.num_tokens - request.num_computed_tokens
+        n = min(left, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
+        tail = self.config.stream_kv_tail_tokens
+        if request.stream_kv and tail and left > 2 * tail:  # its last `tail` tokens: a chunk of their own
+            n = min(n, left - tail)
         return n
 
     def _preempt(self, request: Request) -> None:

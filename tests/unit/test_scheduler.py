@@ -241,3 +241,25 @@ def test_a_prefix_in_progress_that_is_aborted_lets_its_waiters_compute_it():
     # a's 4 computed blocks stayed cached; b computes the rest itself, no one to wait for.
     assert out.num_scheduled_tokens == {"b": 12}
     assert out.chunks[0].start_pos == 16
+
+
+def test_a_prompt_whose_kv_streams_computes_its_last_tail_tokens_in_a_chunk_of_their_own():
+    """Only the last chunk's KV is still to send when the first token comes: a streamed
+    prompt of more than twice the tail leaves its tail to the last step; any other
+    prompt, and a short streamed one, takes the whole budget."""
+    kv = KVCacheManager(BlockPool(64, BS, True), "m")
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, stream_kv_tail_tokens=4), kv, 128)
+
+    def streamed(rid, n, start):
+        r = req(rid, n, max_tokens=1, start=start)
+        r.stream_kv = True
+        return r
+
+    s.add_request(streamed("long", 20, 0))
+    assert [run_step(s)[0].num_scheduled_tokens["long"] for _ in range(2)] == [16, 4]
+    s.add_request(streamed("beyond_budget", 44, 30))  # the budget first, then all but the tail, then the tail
+    assert [run_step(s)[0].num_scheduled_tokens["beyond_budget"] for _ in range(3)] == [32, 8, 4]
+    s.add_request(streamed("short", 8, 80))  # not more than twice the tail: one chunk
+    assert run_step(s)[0].num_scheduled_tokens == {"short": 8}
+    s.add_request(req("local", 20, max_tokens=1, start=90))  # not streamed: one chunk
+    assert run_step(s)[0].num_scheduled_tokens == {"local": 20}
