@@ -175,32 +175,37 @@ class Placer:
         """`avoid`: workers that failed this request already (a migration): none of them
         while the tier has another."""
         policy = self.config.policy
+        # A disaggregated cluster whose prefill tier has no replica now (the SLO planner
+        # scaled it to 0) places as a colocated one: its decode workers compute every prompt.
+        colocated = self.colocated or self.live(TIER_DEPLOYMENTS["prefill"]) == frozenset()
+        local = colocated and not self.colocated
         if policy in ("round_robin", "power_of_two"):
             hint = RouteHint(policy=policy)
-            return Placement(decode=hint, prefill=hint)
+            return Placement(decode=hint, prefill=hint, local_prefill=local)
         hashes = self.block_hashes(prompt_ids)
         affinity = _affinity_key(hashes, prompt_ids)
         views: list[WorkerView] = []
         reason = None
         if policy == "kv_aware":
-            views, reason = await self._lookup(hashes)
+            views, reason = await self._lookup(hashes, colocated)
             if reason:
                 self.metrics.route_fallbacks.labels(reason).inc()
-        tiers = {"decode": self._candidates("decode", views, avoid, hashes)}
-        if not self.colocated:
+        tiers = {"decode": self._candidates("decode", views, avoid, hashes, colocated)}
+        if not colocated:
             tiers["prefill"] = self._candidates("prefill", views, avoid, hashes)
         if any(not c for c in tiers.values()):  # Serve's replica set not known here yet
             hint = RouteHint(affinity_key=affinity)
-            return Placement(decode=hint, prefill=hint, fallback=reason)
+            return Placement(decode=hint, prefill=hint, fallback=reason, local_prefill=local)
         if policy == "kv_aware" and not reason:
-            placement = self._kv_aware(len(prompt_ids), len(hashes), affinity, tiers)
+            placement = self._kv_aware(len(prompt_ids), len(hashes), affinity, tiers, colocated)
             placement.block_hashes = hashes
-            return placement
-        placement = self._sticky(len(prompt_ids), affinity, tiers)
-        placement.fallback = reason
+        else:
+            placement = self._sticky(len(prompt_ids), affinity, tiers)
+            placement.fallback = reason
+        placement.local_prefill = placement.local_prefill or local
         return placement
 
-    async def _lookup(self, hashes: list[BlockHash]) -> tuple[list[WorkerView], str | None]:
+    async def _lookup(self, hashes: list[BlockHash], colocated: bool) -> tuple[list[WorkerView], str | None]:
         if self.index is None:
             return [], "no_index"
         start = time.perf_counter()
@@ -212,19 +217,19 @@ class Placer:
             return [], "index_unavailable"
         finally:
             self.metrics.index_lookup.observe(time.perf_counter() - start)
-        tiers = {"decode"} if self.colocated else {"prefill", "decode"}
+        tiers = {"decode"} if colocated else {"prefill", "decode"}
         if not tiers <= {v.tier for v in views}:
             return views, "index_empty"
         return views, None
 
     def _candidates(self, tier: str, views: list[WorkerView], avoid: frozenset[str] = frozenset(),
-                    hashes: list[BlockHash] = ()) -> list[Candidate]:
+                    hashes: list[BlockHash] = (), colocated: bool = False) -> list[Candidate]:
         """The tier's workers Serve routes to, each with the index's view of it (an empty
         one for a replica the index does not list yet) and this gateway's own load there;
         where the tier computes prompts, also the blocks of those this gateway sent there.
         (Not a disaggregated decode worker's: a prompt's KV lands there only after its
         transfer, and a prompt computed there must not count on it.)"""
-        computes = tier == "prefill" or self.colocated
+        computes = tier == "prefill" or colocated
         indexed = {v.replica: v for v in views if v.tier == tier}
         live = self.live(TIER_DEPLOYMENTS[tier])
         if live is not None:
@@ -265,7 +270,7 @@ class Placer:
         except Exception:  # noqa: BLE001 - Redis down: its entries expire anyway
             pass
 
-    def _kv_aware(self, n: int, num_hashes: int, affinity: bytes, tiers: dict[str, list[Candidate]]) -> Placement:
+    def _kv_aware(self, n: int, num_hashes: int, affinity: bytes, tiers: dict[str, list[Candidate]], colocated: bool) -> Placement:
         order = {c.worker_id: rank for rank, c in _by_rendezvous(affinity, [c for cs in tiers.values() for c in cs])}
 
         def uncached(c: Candidate) -> int:
@@ -276,7 +281,7 @@ class Placer:
 
         def decode_cost(c: Candidate) -> float:
             full = FULL_PENALTY if c.kv_usage > FULL_KV_USAGE else 0.0
-            work = prefill_cost(c) if self.colocated else self.config.transfer_weight * uncached(c)
+            work = prefill_cost(c) if colocated else self.config.transfer_weight * uncached(c)
             return work + self.config.running_weight * c.requests + full
 
         costs = {"prefill": prefill_cost, "decode": decode_cost}
@@ -284,7 +289,7 @@ class Placer:
             tier: self._balance(tier, cs, min(cs, key=lambda c, cost=costs[tier]: (cost(c), order[c.worker_id])), order)
             for tier, cs in tiers.items()
         }
-        local = not self.colocated and computes_locally(
+        local = not colocated and computes_locally(
             chosen["prefill"], chosen["decode"], uncached(chosen["decode"]), self.step_slowdown, self.config)
         if local:
             self.metrics.local_prefills.inc()

@@ -124,7 +124,8 @@ class Router:
             route.set(prefill_worker=placement.prefill_worker, decode_worker=placement.decode_worker,
                       local_prefill=placement.local_prefill, fallback=placement.fallback,
                       predicted_hit_tokens=max(placement.predicted_hits.values(), default=0))
-        one_token = self.prefill is not None and request.params.max_tokens - len(generated) == 1
+        # (Not when the decode worker computes the prompt: the prefill tier may have no replica.)
+        one_token = self.prefill is not None and not placement.local_prefill and request.params.max_tokens - len(generated) == 1
         if one_token:
             placement.decode_worker = None  # it ends with its next token: no decode worker is involved
         self.placer.started(placement)

@@ -242,3 +242,26 @@ def test_a_decode_worker_does_not_count_the_kv_it_is_still_to_receive(redis_url)
     placements = place(p, 4)
     assert not any(pl.local_prefill for pl in placements)
     assert all(pl.predicted_hits[("decode", "decode-d1")] == 0 for pl in placements)
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "prefix_hash", "round_robin"])
+def test_a_prefill_tier_with_no_replica_has_the_decode_workers_compute_every_prompt(redis_url, policy):
+    """The SLO planner may scale the prefill tier to 0: then every prompt is placed on a
+    decode worker as in a colocated cluster (local_prefill, the decode worker's cache
+    counts as a prompt's), and once a prefill replica is back the prefill tier computes again."""
+    publish(redis_url, ("decode", "d1", {}), ("decode", "d2", {"cached": HASHES}))
+    live = {"prefill": set(), "decode": {"d1", "d2"}}
+    p, _ = placer(redis_url, live, policy=policy)
+    placements = place(p, 3)
+    assert all(pl.local_prefill for pl in placements)
+    if policy != "round_robin":
+        assert {pl.decode_worker for pl in placements} <= {"decode-d1", "decode-d2"}
+        assert all(pl.prefill_worker == pl.decode_worker for pl in placements)
+    if policy == "kv_aware":
+        assert placements[0].decode_worker == "decode-d2"  # the one holding the prefix
+    live["prefill"] = {"p1"}
+    publish(redis_url, ("prefill", "p1", {}))
+    (back,) = place(p)
+    assert not back.local_prefill
+    if policy != "round_robin":
+        assert back.prefill_worker == "prefill-p1"
