@@ -279,6 +279,41 @@ class RoutingConfig:
             raise ValueError("migration_limit must be >= 0 and stall_timeout_s > 0")
 
 
+PLANNERS = ("off", "slo")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The SLO planner (cluster/planner): with mode "slo" it sizes the prefill and decode
+    tiers within these bounds so that the mean TTFT and ITL stay within the targets, the
+    tiers' replicas together using at most `budget` resource units (a replica of a tier
+    costs its num_gpus, or num_cpus on a CPU cluster, times its tensor_parallel_size).
+    "off": the tiers' own num_replicas (or Serve autoscaling) as before."""
+
+    mode: str = "off"
+    ttft_ms: float = 2000.0
+    itl_ms: float = 100.0
+    min_prefill: int = 0  # 0: the decode tier may compute every prompt (as colocated)
+    max_prefill: int = 1
+    min_decode: int = 1
+    max_decode: int = 2
+    budget: float | None = None  # None: this machine's cores (a local CPU cluster), else every tier at its max
+    interval_s: float = 5.0  # between decisions
+    confirm: int = 2  # the same new split this many decisions in a row before the tiers move
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLANNERS:
+            raise ValueError(f"planner must be one of {PLANNERS}, got {self.mode!r}")
+        if self.ttft_ms <= 0 or self.itl_ms <= 0:
+            raise ValueError("the SLO targets (ttft_ms, itl_ms) must be > 0")
+        if not 0 <= self.min_prefill <= self.max_prefill or not 1 <= self.min_decode <= self.max_decode:
+            raise ValueError("planner bounds need 0 <= min_prefill <= max_prefill and 1 <= min_decode <= max_decode")
+        if self.budget is not None and self.budget <= 0:
+            raise ValueError("the planner's budget must be > 0")
+        if self.interval_s <= 0 or self.confirm < 1:
+            raise ValueError("planner interval_s must be > 0 and confirm >= 1")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     engine: EngineConfig
@@ -307,6 +342,7 @@ class ClusterConfig:
     # transfer) within this many decode-only steps' time, with no minimum chunk (the
     # engine's max_step_slowdown and min_prompt_chunk are for engines that do both phases).
     decode_step_slowdown: float = 1.2
+    planner: PlannerConfig = PlannerConfig()
 
     def __post_init__(self) -> None:
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
@@ -322,6 +358,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be a TCP port (1-65535), got {getattr(self, name)}")
         if self.decode_step_slowdown != 0 and self.decode_step_slowdown <= 1:
             raise ValueError("decode_step_slowdown must be 0 (off) or > 1")
+        if self.planner.mode != "off" and self.colocated:
+            raise ValueError("the SLO planner sizes a disaggregated cluster's two tiers: not with colocated")
 
     def engine_for(self, tier: TierConfig, role: str) -> EngineConfig:
         """The engine config of one tier's replicas ("prefill" or "decode"): its threads, its

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -97,13 +98,23 @@ class DecodeWorker(EngineWorker):
         span = tracing.start("decode", req.trace, worker=self.worker_id, request_id=req.request_id,
                              local_prefill=req.local_prefill or self.colocated, resumes_after=len(req.generated))
         sent = tokens = 0
+        self.load.arrived()
+        last = time.perf_counter()  # the call's start, then each delta's
         try:
             async for out in self._outputs(req, span):
                 channel.send(out)  # DeltaChannelError: the gateway is gone; the request aborts
+                now = time.perf_counter()
                 if sent == 0:
                     self.publish_soon()  # the prompt's blocks are cached now
+                    if not req.generated:  # (a resumed request's first delta is not a first token)
+                        self.load.first_token(now - last)
+                else:
+                    self.load.token_gap(now - last)
+                last = now
                 sent += 1
                 tokens += len(out.new_token_ids)
+                if out.finished:
+                    self.load.finished(len(req.generated) + tokens)
         except Exception as e:
             span.end(e)
             raise

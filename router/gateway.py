@@ -45,6 +45,7 @@ from router.grpc_service import MalformedMessage
 from router.grpc_serving import GrpcServing, metadata, set_error
 from router.metrics import CONTENT_TYPE, GatewayMetrics
 from router.openai_serving import OpenAIServing
+from router.planner_status import PlannerStatus
 from router.rate_limit import RateLimiter
 from router.readiness import Readiness
 from router.router import Router
@@ -206,6 +207,7 @@ class Gateway:
         self.rate_limiter = RateLimiter(
             redis_url, config.rate_limit_rps, config.rate_limit_burst, self.metrics.rate_limit_errors.labels(self.metrics.replica)
         )
+        self.planner = PlannerStatus(redis_url)
         self.admission = Admission(
             config.max_running_requests, config.max_queued_requests, config.queue_timeout_s, config.retry_after_s,
             config.max_running_per_key,
@@ -231,6 +233,10 @@ class Gateway:
 
     async def live_workers(self) -> dict[str, list[str]]:
         return self.router.live_workers()
+
+    async def planner_status(self) -> dict | None:
+        """The SLO planner's last decision (None: no planner, or it has not published)."""
+        return await self.planner.read()
 
     @asynccontextmanager
     async def admitted(self, api_key: str, choices: int = 1) -> AsyncIterator[None]:
@@ -288,7 +294,7 @@ class Gateway:
             log.warning("metrics: running replicas silent past %g s: %s", METRICS_STATS_DEADLINE_S, silent)
         self.metrics.gateway_running.labels(self.metrics.replica).set(self.admission.running)
         self.metrics.gateway_queued.labels(self.metrics.replica).set(self.admission.queued)
-        return Response(self.metrics.render(stats, silent), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(stats, silent, await self.planner.read()), media_type=CONTENT_TYPE)
 
     @api.get("/v1/models", response_model=p.ModelList, responses={401: ERRORS[401]})
     async def models(self) -> p.ModelList:

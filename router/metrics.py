@@ -90,9 +90,12 @@ class GatewayMetrics:
     def track(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, worker_stats: dict[str, dict[str, dict]], silent: dict[str, int]) -> bytes:
+    def render(self, worker_stats: dict[str, dict[str, dict]], silent: dict[str, int], planner: dict | None = None) -> bytes:
+        """`planner`: the SLO planner's last status (router/planner_status.py), if any."""
         workers = CollectorRegistry(auto_describe=False)
         workers.register(_WorkerCollector(worker_stats, silent, self.phases.snapshot()))
+        if planner:
+            workers.register(_PlannerCollector(planner))
         return generate_latest(self.registry) + generate_latest(workers)
 
 
@@ -173,6 +176,10 @@ class _WorkerCollector:
         )
         for tier, count in self.silent.items():
             unheard.add_metric([tier], count)
+        replicas = GaugeMetricFamily("pdserve_tier_replicas", "Replicas serving each role now (answered or silent).",
+                                     labels=["tier"])
+        for tier in self.stats.keys() | self.silent.keys():
+            replicas.add_metric([tier], len(self.stats.get(tier, {})) + self.silent.get(tier, 0))
         received = seconds = transfers = 0.0
         for tier, workers in self.stats.items():
             running.add_metric([tier], sum(s["running"] for s in workers.values()))
@@ -193,7 +200,38 @@ class _WorkerCollector:
             _add_histograms(phases, tier, PHASES.get(tier, ()), [s["phase_seconds"] for s in workers.values() if "phase_seconds" in s])
         transfer_bytes.add_metric([], received)
         transfer_seconds.add_metric([], count_value=transfers, sum_value=seconds)
-        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures, steps, phases, unheard)
+        yield from (running, waiting, usage, queried, hit, transfer_bytes, transfer_seconds, transfer_failures, steps, phases, unheard,
+                    replicas)
+
+
+class _PlannerCollector:
+    """The SLO planner's last decision and what it rested on (cluster/planner/policy.py)."""
+
+    def __init__(self, status: dict):
+        self.status = status
+
+    def collect(self):
+        s = self.status
+        target = GaugeMetricFamily("pdserve_planner_replicas", "Replicas the SLO planner sizes each tier to.", labels=["tier"])
+        for tier, n in (s.get("replicas") or {}).items():
+            target.add_metric([tier], n)
+        seconds = GaugeMetricFamily(
+            "pdserve_planner_seconds",
+            "The SLO planner's mean TTFT and ITL: its target, its prediction for the current split (calibrated), "
+            "and what the decode replicas observed.", labels=["slo", "kind"])
+        for slo in ("ttft", "itl"):
+            for kind, key in (("target", f"slo_{slo}_s"), ("predicted", f"predicted_{slo}_s"), ("observed", f"observed_{slo}_s")):
+                if s.get(key) is not None:
+                    seconds.add_metric([slo, kind], s[key])
+        load = GaugeMetricFamily("pdserve_planner_load", "The load the SLO planner observed and forecast: requests/s, "
+                                 "prompt tokens computed per request, output tokens per request.", labels=["kind", "figure"])
+        for kind in ("observed", "forecast"):
+            for figure, value in (s.get(kind) or {}).items():
+                load.add_metric([kind, figure], value)
+        state = GaugeMetricFamily("pdserve_planner_state", "1 for the SLO planner's state (learning, steady, confirming, "
+                                  "moving) and the split it chose.", labels=["state", "chosen"])
+        state.add_metric([s.get("state", "unknown"), s.get("chosen", "")], 1)
+        yield from (target, seconds, load, state)
 
 
 def _add_histograms(family: HistogramMetricFamily, tier: str, labels, snapshots: list[dict]) -> None:

@@ -22,6 +22,7 @@ from cluster.config import (
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
     PLACEMENT_STRATEGIES,
+    PLANNERS,
     QUANTIZATIONS,
     ROUTING_POLICIES,
     ClusterConfig,
@@ -106,6 +107,16 @@ SERVE_FLAGS = (
     Flag("--max-prompts-per-request", ("gateway.max_prompts_per_request",), "prompts one /v1/completions request may carry"),
     Flag("--max-choices-per-request", ("gateway.max_choices_per_request",), "generations one request may ask for (prompts x n)"),
     Flag("--max-request-input-tokens", ("gateway.max_request_input_tokens",), "prompt tokens of one request, over all its prompts"),
+    Flag("--planner", ("planner.mode",), "slo: size the prefill and decode tiers from the TTFT/ITL targets while serving "
+         "(cluster/planner); off: the tiers' fixed replica counts", PLANNERS),
+    Flag("--slo-ttft-ms", ("planner.ttft_ms",), "the planner's mean time-to-first-token target"),
+    Flag("--slo-itl-ms", ("planner.itl_ms",), "the planner's mean inter-token-latency target"),
+    Flag("--prefill-min-replicas", ("planner.min_prefill",), "the planner's bounds (0: decode replicas compute every prompt)"),
+    Flag("--prefill-max-replicas", ("planner.max_prefill",), "the planner's bounds"),
+    Flag("--decode-min-replicas", ("planner.min_decode",), "the planner's bounds"),
+    Flag("--decode-max-replicas", ("planner.max_decode",), "the planner's bounds"),
+    Flag("--planner-budget", ("planner.budget",), "resource units both tiers' replicas may use together (cores on a CPU "
+         "cluster, GPUs on a GPU one; default: this machine's cores, or every tier at its max on a Ray cluster)"),
 )
 
 

@@ -25,7 +25,7 @@ from cluster.host.bind_policy import LOOPBACK, is_loopback
 from cluster.host.local_nodes import LocalNodes
 from cluster.host.openmp import waiting_env
 from cluster.kv.redis_client import split_password_file
-from cluster.launch import ingress
+from cluster.launch import ingress, planner
 from cluster.launch.app import build_app, grpc_options
 from cluster.launch.lifetime import running, start_reaper, stop_processes
 from cluster.launch.options import config_data
@@ -92,9 +92,10 @@ class ServeStartError(RuntimeError):
 
 
 def cpus_requested(config) -> float:
-    tiers = [(config.decode, config.decode.num_replicas), (config.router, config.router.num_replicas)]
+    """Ray's logical CPUs for every tier at its most replicas."""
+    tiers = [(config.decode, most_replicas(config.decode)), (config.router, most_replicas(config.router))]
     if not config.colocated:
-        tiers.append((config.prefill, config.prefill.num_replicas))
+        tiers.append((config.prefill, most_replicas(config.prefill)))
     return sum(t.num_cpus * t.tensor_parallel_size * n for t, n in tiers)
 
 
@@ -208,7 +209,7 @@ class _Stopping:
 
 
 def run_serve(args) -> int:
-    config = config_from_args(args)
+    config = planner.planned(config_from_args(args))
     address = args.address or os.environ.get("RAY_ADDRESS")
     check_exposure(args.host, config, args.allow_unauthenticated)
     if not address:  # a local cluster: its proxies bind these ports here
@@ -249,10 +250,17 @@ def run_serve(args) -> int:
             signal.signal(signum, stopping.handle)
         serve.start(http_options={"host": args.host, "port": config.http_port}, grpc_options=grpc_options(config.grpc_port))
         try:
-            serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+            if config.planner.mode == "slo":
+                planner.deploy(config, local=not address)
+            else:
+                serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         except RuntimeError as e:  # Serve gave up on a deployment whose replicas kept failing
             raise ServeStartError(f"{str(e).rstrip('.')} (the replicas' errors are in the log above)") from None
         tiers = "colocated" if config.colocated else f"{config.prefill.num_replicas} prefill + {config.decode.num_replicas} decode"
+        if config.planner.mode == "slo":
+            p = config.planner
+            tiers = (f"prefill {p.min_prefill}-{p.max_prefill} + decode {p.min_decode}-{p.max_decode} (SLO planner: TTFT "
+                     f"{p.ttft_ms:g} ms, ITL {p.itl_ms:g} ms, budget {planner.budget(config, local=not address):g})")
         print(f"pdserve is up: {tiers} replicas serving {config.engine.model_id} ({config.engine.model}).", file=sys.stderr)
         print(f"  OpenAI API: http://{args.host}:{config.http_port}/v1   gRPC: {args.host}:{config.grpc_port}", file=sys.stderr)
         print(f"  {exposure(args.host, config, remote=bool(address))}", file=sys.stderr)

@@ -24,6 +24,8 @@ from cluster.kv.tp_transfer import Part, recv_pieces, send_pieces
 from cluster.kv.transport.builder import open_transport
 from cluster.kv.transport.interface import KVEndpoint, KVTransferError
 from cluster.model.sharding import kv_routes
+from cluster.planner.costs import StepCostModel
+from cluster.planner.load import LoadMeter
 from cluster.serving import tracing
 from cluster.serving.routing import RouteHint, replica_unique_id, worker_id
 
@@ -48,6 +50,12 @@ class EngineWorker:
         self.num_kv_heads = layout.num_kv_heads
         self._rank_actors = layout.rank_actors
         self.block_size = engine_config.cache.block_size
+        # What the SLO planner reads (record_autoscaling_stats): this engine's step costs, the load seen.
+        scheduler = engine_config.scheduler
+        chunk = min(scheduler.max_num_batched_tokens, scheduler.long_prefill_token_threshold or scheduler.max_num_batched_tokens)
+        self.costs = StepCostModel(chunk_tokens=chunk)
+        self.load = LoadMeter()
+        self._costs_seen_until = 0.0  # wall-clock start of the last step fitted
         self._block_bytes = sum(k[0].nbytes + v[0].nbytes for k, v in self.kv_caches)  # rank 0's heads
         self.index = None
         if redis_url:
@@ -148,6 +156,20 @@ class EngineWorker:
         cluster/engine/step_timeline.py's fields. `route` only steers Serve's request router."""
         steps = await self.engine.call(lambda e: e.timeline.since(since))
         return {"worker_id": self.worker_id, "fields": StepRecord._fields, "steps": [tuple(s) for s in steps]}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (called every metrics_interval_s where the
+        tier autoscales; the SLO planner reads them, cluster/planner/policy.py): the
+        engine's step costs, fitted from the steps since the last call, and the load of
+        the last cluster/planner/load.py WINDOW_S."""
+        seen = self._costs_seen_until
+        steps = [s for s in await self.engine.call(lambda e: e.timeline.since(seen)) if s.t > seen]  # each step once
+        if steps:
+            self._costs_seen_until = steps[-1].t
+        self.costs.observe(steps)
+        for s in steps:
+            self.load.computed(s.t, s.prompt)
+        return {**self.costs.report(), **self.load.report()}
 
     @staticmethod
     async def _rank_call(method) -> dict:
