@@ -20,6 +20,7 @@ from cluster.bench.flags import (
     add_quantization_flag,
     add_serve_flags,
     add_sweep_flags,
+    add_trace_flags,
 )
 from cluster.config import DTYPES, CacheConfig, EngineConfig
 from cluster.host.cpu_features import CpuCapabilityError, detect
@@ -212,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "prompts of several lengths and rates, and the long prompts' first-to-second token gap")
     add_protect_flags(bp)
     bp.set_defaults(fn=_runs("cluster.bench.protect_bench:run_protect_bench"))
+    bo = bsub.add_parser("trace", help="a time-varying workload against each target (the SLO planner, fixed splits): "
+                         "SLO attainment per phase, replicas per tier over time, replica-seconds, and a plot")
+    add_trace_flags(bo)
+    bo.set_defaults(fn=_runs("cluster.bench.trace_bench:run_trace_bench"))
     bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
                          "checks that none failed, texts match an offline run and no KV block leaked")
     add_chaos_flags(bx)

@@ -42,7 +42,7 @@ class Conversation:
     history: list[dict] = field(default_factory=list)
 
 
-def _random_text(rng: random.Random, tokenizer: Tokenizer, n: int) -> str:
+def random_text(rng: random.Random, tokenizer: Tokenizer, n: int) -> str:
     """Text of (nearly always exactly) n tokens: random ids, decoded; re-encoding text
     rarely gives the same ids back, so it is re-encoded, cut or topped up, and decoded
     again until the count holds (as vLLM's random dataset does)."""
@@ -68,26 +68,26 @@ def _request(tokenizer: Tokenizer, text: str, output_len: int) -> BenchRequest:
 
 def random_requests(args, tokenizer: Tokenizer) -> list[BenchRequest]:
     rng = random.Random(args.seed)
-    prefix = _random_text(rng, tokenizer, args.random_prefix_len) if args.random_prefix_len else ""
+    prefix = random_text(rng, tokenizer, args.random_prefix_len) if args.random_prefix_len else ""
     ins = _lengths(rng, args.random_input_len, args.random_range_ratio, args.num_prompts)
     outs = _lengths(rng, args.random_output_len, args.random_range_ratio, args.num_prompts)
-    return [_request(tokenizer, prefix + _random_text(rng, tokenizer, i), o) for i, o in zip(ins, outs)]
+    return [_request(tokenizer, prefix + random_text(rng, tokenizer, i), o) for i, o in zip(ins, outs)]
 
 
 def interference_requests(args, tokenizer: Tokenizer, count: int) -> list[BenchRequest]:
     """Long prompts sent beside the measured workload (--interference-*): the load that
     tests how much other requests' prompts stall the measured decodes."""
     rng = random.Random(args.seed + 1)
-    return [_request(tokenizer, _random_text(rng, tokenizer, args.interference_input_len), args.interference_output_len)
+    return [_request(tokenizer, random_text(rng, tokenizer, args.interference_input_len), args.interference_output_len)
             for _ in range(count)]
 
 
 def prefix_repetition_requests(args, tokenizer: Tokenizer) -> list[BenchRequest]:
     rng = random.Random(args.seed)
-    prefixes = [_random_text(rng, tokenizer, args.prefix_repetition_prefix_len) for _ in range(args.prefix_repetition_num_prefixes)]
+    prefixes = [random_text(rng, tokenizer, args.prefix_repetition_prefix_len) for _ in range(args.prefix_repetition_num_prefixes)]
     hot = round(args.num_prompts * args.prefix_repetition_hot_fraction)  # skew: this many share prefix 0
     requests = [
-        _request(tokenizer, prefixes[0 if i < hot else i % len(prefixes)] + _random_text(rng, tokenizer, args.prefix_repetition_suffix_len),
+        _request(tokenizer, prefixes[0 if i < hot else i % len(prefixes)] + random_text(rng, tokenizer, args.prefix_repetition_suffix_len),
                  args.prefix_repetition_output_len)
         for i in range(args.num_prompts)
     ]
@@ -137,7 +137,7 @@ def multi_turn_conversations(args, tokenizer: Tokenizer) -> list[Conversation]:
         return out
     return [
         Conversation(
-            [_random_text(rng, tokenizer, n) for n in _lengths(rng, args.random_input_len, args.random_range_ratio, MULTI_TURN_TURNS)],
+            [random_text(rng, tokenizer, n) for n in _lengths(rng, args.random_input_len, args.random_range_ratio, MULTI_TURN_TURNS)],
             _lengths(rng, args.random_output_len, args.random_range_ratio, MULTI_TURN_TURNS),
         )
         for _ in range(args.num_prompts)

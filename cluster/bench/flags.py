@@ -156,6 +156,24 @@ def add_protect_flags(p) -> None:
     p.add_argument("--saturated", type=float, default=0.9, help="a cell whose prefill tier is busy this fraction is saturated")
 
 
+def add_trace_flags(p) -> None:
+    """`pdserve bench trace`: a phased (or recorded) workload against each target in turn."""
+    add_local_target_flags(p)
+    p.set_defaults(dtype="auto")  # (--local-model: the built-in model by default)
+    p.add_argument("--targets", default="planner,1p1d@1,2colocated@1,colocated@2",
+                   help="comma-separated: 'planner' (pdserve serve --planner slo) and local configurations")
+    p.add_argument("--trace", help="JSONL, one {t, prompt_len, output_len[, phase]} per request (default: the built-in "
+                   "phases: chat, long prompts, long answers in bursts, quiet)")
+    p.add_argument("--phase-s", type=float, default=150.0, help="each built-in phase's length")
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=60.0, help="a request's mean inter-token time (TPOT) target")
+    p.add_argument("--planner-budget", type=int, default=2, help="cores the planner's tiers share (one per replica)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--result-dir", default="bench-results")
+    p.add_argument("--result-filename", default=None)
+
+
 def add_abuse_flags(p) -> None:
     """`pdserve bench abuse`: a victim key's TTFT alone and beside an abusive key."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000")

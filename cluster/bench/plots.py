@@ -237,3 +237,38 @@ def plot_step_gaps(result: dict, path: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def plot_trace(result: dict, path: Path) -> Path:
+    """`pdserve bench trace`: on one time axis, the load (requests arriving per BIN, the
+    phases shaded), each target's replicas per tier, and each target's SLO attainment per
+    bin of request starts."""
+    bin_s = 30.0
+    end = result["phases"][-1][2]
+    edges = list(range(0, int(end + bin_s), int(bin_s)))
+    fig, (load, replicas, attain) = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True)
+    for ax in (load, replicas, attain):
+        for i, (name, lo, hi) in enumerate(result["phases"]):
+            ax.axvspan(lo, hi, color="#eeeeee" if i % 2 else "#ffffff", zorder=0)
+            if ax is load:
+                ax.text((lo + hi) / 2, 1.02, name, ha="center", va="bottom", fontsize=8, transform=ax.get_xaxis_transform())
+    counts, _ = np.histogram(result["arrivals"], bins=edges)
+    load.bar(edges[:-1], counts / bin_s, width=bin_s, align="edge", color="#9ecae1")
+    load.set_ylabel("requests/s")
+    for name, target in result["targets"].items():
+        t = [s[0] for s in target["replicas"]]
+        line, = replicas.step(t, [s[2] for s in target["replicas"]], where="post", label=f"{name}: decode")
+        replicas.step(t, [s[1] for s in target["replicas"]], where="post", linestyle="--", color=line.get_color(),
+                      label=f"{name}: prefill")
+        per_bin = [[r["ok"] for r in target["requests"] if lo <= r["t"] < lo + bin_s] for lo in edges[:-1]]
+        attain.plot([lo + bin_s / 2 for lo, b in zip(edges, per_bin) if b], [100 * sum(b) / len(b) for b in per_bin if b],
+                    marker="o", markersize=3, color=line.get_color(),
+                    label=f"{name}: {100 * target['attainment']:.0f}%, {target['core_seconds']:.0f} core-s")
+    replicas.set_ylabel("replicas")
+    replicas.legend(fontsize=7, ncol=2)
+    attain.set_ylabel("SLO attainment (%)")
+    attain.set_xlabel("time (s)")
+    attain.set_ylim(-5, 105)
+    attain.legend(fontsize=7)
+    fig.suptitle(f"TTFT <= {result['slo_ttft_ms']:g} ms and TPOT <= {result['slo_itl_ms']:g} ms; {result['cpu']}", fontsize=9)
+    return _save(fig, path)
