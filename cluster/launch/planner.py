@@ -22,7 +22,9 @@ from cluster.serving.routing import TIER_DEPLOYMENTS
 
 POLICY = "cluster.planner.policy:SloPlanner"
 METRICS_INTERVAL_S = 2.0  # how often replicas report (record_autoscaling_stats)
-LOOK_BACK_S = 10.0  # Serve averages each replica's reports over this window
+# Serve averages each replica's reports over this window: about one report, since each already
+# covers the replica's own window (cluster/planner/load.py), and a second average would lag.
+LOOK_BACK_S = 1.5 * METRICS_INTERVAL_S  # (Serve wants it longer than the interval)
 HORIZON_S = 10.0  # a decision acts after about a replica's start: the planner sizes for the load then
 DEPLOY_TIMEOUT_S = 900.0
 

@@ -18,7 +18,7 @@ from collections import deque
 
 import numpy as np
 
-WINDOW_S = 20.0
+WINDOW_S = 10.0
 MAX_SAMPLES = 20000  # per kind within the window: the median of the latest ones is as good as of all
 
 

@@ -12,7 +12,6 @@ import threading
 import time
 
 import grpc
-import httpx
 import openai
 import psutil
 import pytest
@@ -257,53 +256,6 @@ def test_a_killed_serve_leaves_no_process_behind(tiny_llama, kill):
     _, alive = psutil.wait_procs(started, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]
     assert not port_open(http_port) and not port_open(grpc_port)
-
-
-def test_the_slo_planner_sizes_the_tiers_through_serve(tiny_llama):
-    """`--planner slo`: the application is deployed from a Serve config whose
-    application-level autoscaling policy is the planner (in Serve's controller, fed by the
-    replicas' record_autoscaling_stats). Idle after a request, it scales the prefill tier
-    to 0; the decode replica then computes every prompt (a one-token request too); the
-    planner's decision and the tiers' replicas show in `pdserve status` and /metrics."""
-    http_port = free_port()
-    proc = subprocess.Popen(
-        [*PDSERVE, "serve", "--model", str(tiny_llama), "--dtype", "float32", "--http-port", str(http_port),
-         "--grpc-port", str(free_port()), "--served-model-name", "tiny", "--planner", "slo", "--slo-ttft-ms", "5000",
-         "--slo-itl-ms", "500", "--decode-max-replicas", "1", "--drain-timeout-s", "5"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )
-    try:
-        lines = read_until(proc, r"Ctrl-C stops it", timeout_s=240)
-        assert "prefill 0-1 + decode 1-1 (SLO planner: TTFT 5000 ms, ITL 500 ms" in "".join(lines)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
-        assert client.completions.create(model="tiny", prompt="Hello there", max_tokens=4).usage.completion_tokens >= 1
-
-        def status() -> tuple[dict, str]:
-            out = subprocess.run([*PDSERVE, "status"], capture_output=True, text=True, timeout=120)
-            assert out.returncode == 0, out.stderr
-            stats, _, planner = out.stdout.rpartition("}\n")
-            return json.loads(stats + "}"), planner
-
-        # Idle: 0P1D once the replicas' windows hold no arrival (cluster/planner/load.py) and the
-        # planner confirmed it; Serve then drains and stops the prefill replica.
-        assert wait_until(lambda: status()[0]["prefill"] == {}, timeout_s=180, interval_s=2)
-        stats, planner = status()
-        assert re.match(r"planner: \w+, (1P1D -> )?0P1D", planner) and len(stats["decode"]) == 1, planner
-        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-        assert reply.usage.completion_tokens >= 1
-        assert client.completions.create(model="tiny", prompt="One", max_tokens=1).usage.completion_tokens == 1
-        (decode,) = status()[0]["decode"].values()
-        assert decode["local_prefills"] >= 2  # computed where they decode: no prefill replica to ask
-        metrics = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=30).text
-        assert 'pdserve_tier_replicas{tier="prefill"} 0.0' in metrics and 'pdserve_tier_replicas{tier="decode"} 1.0' in metrics
-        assert 'pdserve_planner_replicas{tier="prefill"} 0.0' in metrics
-        assert 'pdserve_planner_seconds{kind="target",slo="itl"} 0.5' in metrics
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_refuses_a_public_host_without_api_keys():

@@ -1,6 +1,8 @@
 """`pdserve serve`'s flags reach the config the engines are built from, with the config's
 own validation (cluster/launch/options.py)."""
 
+import dataclasses
+import json
 import os
 import socket
 
@@ -8,7 +10,7 @@ import pytest
 
 from cluster.cli import build_parser
 from cluster.config import LOCAL_SERVE_ENVIRONMENT, ClusterConfig, from_dict
-from cluster.launch import ingress, ports
+from cluster.launch import ingress, planner, ports
 from cluster.launch.serve import config_from_args
 
 
@@ -114,3 +116,28 @@ def test_ingress_settings_last_only_while_a_local_ray_starts(monkeypatch):
     with ingress.settings("proxy"):
         assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
     assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+
+
+def test_planner_flags_make_the_serve_config_with_the_application_level_policy():
+    """--planner slo: both tiers autoscaled within the planner's bounds with no delay of
+    Serve's own, and the policy (an import path and JSON arguments) for the application's
+    config, the budget this machine's cores; the args survive the round trip through Serve's
+    config. Bad bounds, colocated and inline API keys are refused."""
+    config = planner.planned(config_of("--planner", "slo", "--slo-ttft-ms", "800", "--slo-itl-ms", "40",
+                                       "--decode-max-replicas", "3", "--planner-interval-s", "2"))
+    assert (config.prefill.autoscaling["min_replicas"], config.prefill.autoscaling["max_replicas"]) == (0, 1)
+    assert (config.decode.autoscaling["min_replicas"], config.decode.autoscaling["max_replicas"]) == (1, 3)
+    assert config.decode.autoscaling["initial_replicas"] == 1 and config.decode.autoscaling["downscale_delay_s"] == 0
+    policy = planner.policy(config, local=True)
+    assert policy["policy_function"] == "cluster.planner.policy:SloPlanner"
+    kwargs = json.loads(json.dumps(policy["policy_kwargs"]))  # JSON, as Serve requires
+    assert (kwargs["ttft_ms"], kwargs["itl_ms"], kwargs["interval_s"]) == (800, 40, 2)
+    assert kwargs["bounds"]["budget"] == os.cpu_count() and kwargs["tiers"] == {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
+    assert planner.policy(config, local=False)["policy_kwargs"]["bounds"]["budget"] == 1 + 3  # every tier at its max
+    assert from_dict(ClusterConfig, json.loads(json.dumps(dataclasses.asdict(config)))) == config
+    assert planner.planned(config_of()) == config_of()  # off: as before
+    for flags, error in ((("--planner", "slo", "--prefill-min-replicas", "2"), "min_prefill <= max_prefill"),
+                         (("--planner", "slo", "--colocated"), "not with colocated"),
+                         (("--planner", "slo", "--api-key", "sk-x"), "--api-key-file")):
+        with pytest.raises(ValueError, match=error):
+            planner.planned(config_of(*flags))
