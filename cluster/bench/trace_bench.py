@@ -222,7 +222,7 @@ def run_trace_bench(args) -> int:
     for t in targets:
         if t != "planner" and local_target(t) is None:
             raise ValueError(f"target {t!r}: 'planner' or a local configuration ('1p1d@1', '2colocated@1', 'colocated@2')")
-    args.local_model = args.local_model or builtin_model_path()
+    args.local_model = args.local_model or str(builtin_model_path())
     requests, phases = load_trace(args.trace) if args.trace else builtin_trace(args.phase_s, args.seed)
     tokenizer = load_tokenizer(args.local_model)
     rng = random.Random(args.seed)

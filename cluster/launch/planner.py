@@ -11,6 +11,7 @@ delays are 0 (the planner confirms a change itself before making it).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
@@ -85,7 +86,8 @@ def deploy(config: ClusterConfig, local: bool) -> None:
     it runs; a deployment Serve gave up on raises RuntimeError with Serve's message."""
     schema = ServeDeploySchema(applications=[{
         "name": APP_NAME, "route_prefix": "/", "import_path": "cluster.launch.app:app_builder",
-        "args": dataclasses.asdict(config), "autoscaling_policy": policy(config, local),
+        # Plain JSON, as a YAML config's args are (a path object becomes its text).
+        "args": json.loads(json.dumps(dataclasses.asdict(config), default=str)), "autoscaling_policy": policy(config, local),
     }])
     serve.context._get_global_client().deploy_apps(schema)
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
