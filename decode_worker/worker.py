@@ -119,6 +119,7 @@ class DecodeWorker(EngineWorker):
             span.end(e)
             raise
         finally:
+            self.load.ended()
             self.publish_soon()  # its output's blocks too (or all freed)
             span.set(output_tokens=tokens)
             span.end()

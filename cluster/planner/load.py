@@ -6,6 +6,7 @@ TTFT/ITL its requests got; reported through Serve's autoscaling metrics (floats 
     output_tokens_per_request    mean over the requests that finished
     ttft_s, itl_s                medians over the window's first tokens and token gaps
                                  (a decode worker's view: from its call to each delta)
+    running_requests             requests arrived and not ended, now
 A figure with no sample in the window is left out. A sliding window, not the interval
 since the last report: arrivals come in bursts (a batch of first tokens, then none for
 a while), and a rate over a few seconds would swing with them.
@@ -31,9 +32,15 @@ class LoadMeter:
         self._outputs: deque[tuple[float, int]] = deque(maxlen=MAX_SAMPLES)
         self._ttft: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
         self._itl: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        self._running = 0
 
     def arrived(self) -> None:
         self._arrivals.append(self.clock())
+        self._running += 1
+
+    def ended(self) -> None:
+        """An arrived request is over, however it ended."""
+        self._running -= 1
 
     def computed(self, t: float, prompt_tokens: int) -> None:
         """The engine computed `prompt_tokens` of prompts in a step that began at `t`."""
@@ -59,7 +66,8 @@ class LoadMeter:
             self._arrivals.popleft()
         span = max(min(self.window_s, now - self._start), 1e-3)
         out = {"requests_per_s": len(self._arrivals) / span,
-               "computed_prompt_tokens_per_s": sum(n for _, n in self._computed) / span}
+               "computed_prompt_tokens_per_s": sum(n for _, n in self._computed) / span,
+               "running_requests": float(self._running)}
         if self._outputs:
             out["output_tokens_per_request"] = float(np.mean([n for _, n in self._outputs]))
         if self._ttft:

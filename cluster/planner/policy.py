@@ -113,7 +113,7 @@ class SloPlanner:
             # Idle before any cost is known (a fresh cluster nobody uses): the smallest split
             # meets any target at no load; a model is needed only to size for load.
             self.forecast.observe(now, observed)
-            return self._decide(current, self.bounds.splits()[0], "idle", now)
+            return self._decide(current, self.bounds.splits()[0], "idle") if self.bounds.splits() else None
         if observed is None or prefill_costs is None or decode_costs is None:
             self._publish()
             return None
@@ -133,9 +133,9 @@ class SloPlanner:
             predicted_ttft_s=_finite_value(predictions.get(current, Prediction(math.inf, math.inf)).ttft_s),
             predicted_itl_s=_finite_value(predictions.get(current, Prediction(math.inf, math.inf)).itl_s),
         )
-        return self._decide(current, choose(predictions, self.slo, self.bounds), "steady", now)
+        return self._decide(current, choose(predictions, self.slo, self.bounds), "steady")
 
-    def _decide(self, current: Split, chosen: Split, steady: str, now: float) -> Split | None:
+    def _decide(self, current: Split, chosen: Split, steady: str) -> Split | None:
         """Move to `chosen` once another split than the current one was chosen `confirm`
         times in a row (the latest choice is made: near-equal splits alternating must not
         hold a move back); publish the status either way."""
@@ -178,8 +178,8 @@ def _observed(reports: dict[str, list[dict]]) -> tuple[Load | None, float | None
         return None, None, None
     rate = sum(r.get("requests_per_s", 0.0) for r in decode)
     output = _weighted(decode, "output_tokens_per_request")
-    if rate <= 0:  # idle: nothing to size for but the smallest split
-        return Load(0.0, 0.0, 0.0), None, None
+    if rate <= 0:  # no arrival: idle once nothing runs either (else wait: the running ones hold their replicas)
+        return (Load(0.0, 0.0, 0.0) if not any(r.get("running_requests", 0.0) for r in decode) else None), None, None
     if output is None:  # requests, none finished yet: their lengths are not known
         return None, None, None
     computed = sum(r.get("computed_prompt_tokens_per_s", 0.0) for rs in reports.values() for r in rs)

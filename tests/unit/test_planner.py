@@ -98,15 +98,18 @@ def test_the_load_meter_reports_its_sliding_window():
         meter.token_gap(gap)
     meter.finished(100)
     meter.finished(300)
+    meter.ended()
     assert meter.report() == {
         "requests_per_s": 0.4, "computed_prompt_tokens_per_s": 60.0, "output_tokens_per_request": 200.0,
-        "ttft_s": 0.6, "itl_s": 0.02,
+        "ttft_s": 0.6, "itl_s": 0.02, "running_requests": 3.0,
     }
     now[0] = 115.0
     meter.arrived()
     assert meter.report()["requests_per_s"] == 0.5  # the window still holds the first four
     now[0] = 121.0  # they left it; the last one is still in
-    assert meter.report() == {"requests_per_s": 0.1, "computed_prompt_tokens_per_s": 0.0}
+    for _ in range(3):
+        meter.ended()
+    assert meter.report() == {"requests_per_s": 0.1, "computed_prompt_tokens_per_s": 0.0, "running_requests": 1.0}
 
 
 def test_the_forecast_meets_a_ramp_ahead_and_an_idle_interval_keeps_the_lengths():
@@ -231,6 +234,12 @@ def test_an_idle_cluster_shrinks_to_the_smallest_split(costs_known):
         prefill.reports.update(prompt_base_s=0.01, prompt_per_token_s=0.001, chunk_tokens=512)
         decode.reports.update(decode_base_s=0.02, decode_per_seq_s=0.001)
     policy = planner(clock=lambda: now[0])
+    decode.reports["running_requests"] = 2.0  # no arrival, but two long answers still decoding: not idle yet
+    for _ in range(3):
+        targets, _ = policy({d.id: d.context(now[0]) for d in (prefill, decode)})
+        now[0] += 5
+    assert targets == {prefill.id: 1, decode.id: 2}
+    decode.reports["running_requests"] = 0.0
     states = []
     for _ in range(2):
         targets, _ = policy({d.id: d.context(now[0]) for d in (prefill, decode)})
