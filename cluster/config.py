@@ -299,7 +299,8 @@ class PlannerConfig:
     max_decode: int = 2
     budget: float | None = None  # None: this machine's cores (a local CPU cluster), else every tier at its max
     interval_s: float = 5.0  # between decisions
-    confirm: int = 2  # the same new split this many decisions in a row before the tiers move
+    confirm: int = 2  # another split this many decisions in a row before the tiers move ...
+    downscale_s: float = 30.0  # ... and to a cheaper split, for this long
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNERS:
@@ -310,8 +311,8 @@ class PlannerConfig:
             raise ValueError("planner bounds need 0 <= min_prefill <= max_prefill and 1 <= min_decode <= max_decode")
         if self.budget is not None and self.budget <= 0:
             raise ValueError("the planner's budget must be > 0")
-        if self.interval_s <= 0 or self.confirm < 1:
-            raise ValueError("planner interval_s must be > 0 and confirm >= 1")
+        if self.interval_s <= 0 or self.confirm < 1 or self.downscale_s < 0:
+            raise ValueError("planner interval_s must be > 0, confirm >= 1 and downscale_s >= 0")
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,8 @@ SERVE_FLAGS = (
     Flag("--decode-max-replicas", ("planner.max_decode",), "the planner's bounds"),
     Flag("--planner-interval-s", ("planner.interval_s",), "seconds between the planner's decisions (a move needs two "
          "in a row)"),
+    Flag("--planner-downscale-s", ("planner.downscale_s",), "how long the planner's choice of a cheaper split must "
+         "last before replicas go"),
     Flag("--planner-budget", ("planner.budget",), "resource units both tiers' replicas may use together (cores on a CPU "
          "cluster, GPUs on a GPU one; default: this machine's cores, or every tier at its max on a Ray cluster)"),
 )

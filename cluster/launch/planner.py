@@ -76,7 +76,7 @@ def policy(config: ClusterConfig, local: bool) -> dict:
         "bounds": {"min_prefill": p.min_prefill, "max_prefill": p.max_prefill, "min_decode": p.min_decode,
                    "max_decode": p.max_decode, "budget": budget(config, local),
                    "prefill_units": units(config.prefill), "decode_units": units(config.decode)},
-        "step_slowdown": config.decode_step_slowdown, "interval_s": p.interval_s, "confirm": p.confirm,
+        "step_slowdown": config.decode_step_slowdown, "interval_s": p.interval_s, "confirm": p.confirm, "downscale_s": p.downscale_s,
         "horizon_s": HORIZON_S, "redis_url": config.redis_url, "app_name": APP_NAME,
     }}
 

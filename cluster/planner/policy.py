@@ -9,7 +9,8 @@ tick with each autoscaled deployment's context. Every `interval_s` it:
     2. calibrates: the current split's prediction against the TTFT/ITL observed under it
     3. forecasts the load `horizon_s` ahead (a replica's start)
     4. predicts every split in the bounds and budget, chooses (sizing.choose), and moves
-       the tiers there once the same choice came `confirm` times in a row
+       the tiers there once another split came `confirm` times in a row (a cheaper one:
+       for `downscale_s`)
 
 Between evaluations, and whenever it cannot decide (too few steps seen yet), it returns the
 current targets. It runs inside Serve's control loop: it must be fast and never raise (an
@@ -61,7 +62,8 @@ def _toward(factor: float, observed: float | None, predicted: float) -> float:
 
 class SloPlanner:
     def __init__(self, *, ttft_ms: float, itl_ms: float, bounds: dict, tiers: dict[str, str], step_slowdown: float,
-                 interval_s: float = 5.0, confirm: int = 2, horizon_s: float = 10.0, redis_url: str | None = None,
+                 interval_s: float = 5.0, confirm: int = 2, downscale_s: float = 30.0, horizon_s: float = 10.0,
+                 redis_url: str | None = None,
                  app_name: str = "pdserve", clock=time.time):
         """`tiers`: {"prefill": deployment name, "decode": deployment name}; `bounds`:
         sizing.Bounds's fields; `step_slowdown`: the decode tier's (for prompts it computes)."""
@@ -69,12 +71,13 @@ class SloPlanner:
         self.bounds = Bounds(**bounds)
         self.tiers = tiers
         self.step_slowdown = step_slowdown
-        self.interval_s, self.confirm, self.horizon_s = interval_s, confirm, horizon_s
+        self.interval_s, self.confirm, self.downscale_s, self.horizon_s = interval_s, confirm, downscale_s, horizon_s
         self.clock = clock
         self.forecast = LoadForecast()
         self.calibration = Calibration()
         self._next_eval = 0.0
         self._pending_count = 0  # evaluations in a row that chose another split than the current one
+        self._pending_since: float | None = None  # ... since this time
         self._known_costs: dict[str, EngineCosts] = {}
         self.status: dict = {"state": "learning"}
         self._redis = connect_sync(redis_url, socket_timeout=0.2, socket_connect_timeout=0.2) if redis_url else None
@@ -138,13 +141,22 @@ class SloPlanner:
     def _decide(self, current: Split, chosen: Split, steady: str) -> Split | None:
         """Move to `chosen` once another split than the current one was chosen `confirm`
         times in a row (the latest choice is made: near-equal splits alternating must not
-        hold a move back); publish the status either way."""
-        self._pending_count = self._pending_count + 1 if chosen != current else 0
-        move = self._pending_count >= self.confirm
+        hold a move back), and to a cheaper one only once that lasted `downscale_s` (a gap
+        between sparse arrivals must not send a replica away that the next one needs: a
+        start costs seconds, while an extra replica costs only its share of the budget for
+        a while); publish the status either way."""
+        now = self.clock()
+        if chosen == current:
+            self._pending_count, self._pending_since = 0, None
+        else:
+            self._pending_count += 1
+            self._pending_since = self._pending_since if self._pending_since is not None else now
+        cheaper = self.bounds.cost(chosen) < self.bounds.cost(current)
+        move = self._pending_count >= self.confirm and (not cheaper or now - self._pending_since >= self.downscale_s)
         self.status.update(state="moving" if move else steady if chosen == current else "confirming", chosen=str(chosen))
         if move:
             log.info("SLO planner: %s -> %s (%s)", current, chosen, self.status.get("forecast") or "idle")
-            self._pending_count = 0
+            self._pending_count, self._pending_since = 0, None
             self.status["replicas"] = {"prefill": chosen.prefill, "decode": chosen.decode}
         self._publish()
         return chosen if move else None

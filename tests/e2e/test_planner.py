@@ -31,7 +31,7 @@ def planned(serve_ingress, engine_config):
         config = ClusterConfig(
             engine=engine_config, prefill=tier, decode=tier, router=TierConfig(num_cpus=0.1), redis_url=redis.url,
             # Targets any split meets at no load; a decision a second (a move: two in a row).
-            planner=PlannerConfig(mode="slo", ttft_ms=5000, itl_ms=500, max_decode=1, interval_s=1.0),
+            planner=PlannerConfig(mode="slo", ttft_ms=5000, itl_ms=500, max_decode=1, interval_s=1.0, downscale_s=2.0),
         )
         planner.deploy(planner.planned(config), local=True)
         try:

@@ -171,10 +171,10 @@ class Deployment:
         )
 
 
-def planner(redis_url=None, clock=None, **bounds):
+def planner(redis_url=None, clock=None, downscale_s=0.0, **bounds):
     return SloPlanner(ttft_ms=1500, itl_ms=40, tiers={"prefill": "PrefillWorker", "decode": "DecodeWorker"},
                       bounds={"min_prefill": 0, "max_prefill": 1, "min_decode": 1, "max_decode": 3, "budget": 4, **bounds},
-                      step_slowdown=1.2, interval_s=5.0, confirm=2, redis_url=redis_url, clock=clock)
+                      step_slowdown=1.2, interval_s=5.0, confirm=2, downscale_s=downscale_s, redis_url=redis_url, clock=clock)
 
 
 def test_the_policy_adds_decode_replicas_when_the_itl_target_is_missed_and_publishes_why():
@@ -189,7 +189,7 @@ def test_the_policy_adds_decode_replicas_when_the_itl_target_is_missed_and_publi
     decode.reports = {"decode_base_s": 0.02, "decode_per_seq_s": 0.001, "requests_per_s": 4.0,
                       "output_tokens_per_request": 200.0, "ttft_s": 0.3, "itl_s": 0.09}
     with PrivateRedis() as redis:
-        policy = planner(redis.url, clock=lambda: now[0])
+        policy = planner(redis.url, clock=lambda: now[0], downscale_s=30.0)  # (a move up does not wait for it)
         decisions = []
         for _ in range(3):
             contexts = {d.id: d.context(now[0]) for d in (prefill, decode)}
@@ -270,3 +270,20 @@ def test_a_tier_scaled_to_zero_keeps_its_last_known_costs():
         now[0] += 5
     assert targets == {prefill.id: 1, decode.id: 1}
     assert policy.status["costs"]["prefill"]["prompt_per_token_s"] == 0.002
+
+
+def test_a_cheaper_split_waits_for_its_choice_to_last_and_a_costlier_one_does_not():
+    """Sparse arrivals leave the window empty between them: scaling down on each gap would
+    start a replica again at the next arrival (seconds each). A move down waits until the
+    cheaper choice lasted downscale_s; a move up only for `confirm` evaluations."""
+    now = [0.0]
+    prefill, decode = Deployment("PrefillWorker", 1), Deployment("DecodeWorker", 2)
+    prefill.reports = {"prompt_base_s": 0.01, "prompt_per_token_s": 0.001, "chunk_tokens": 512, "requests_per_s": 0.0}
+    decode.reports = {"decode_base_s": 0.02, "decode_per_seq_s": 0.001, "requests_per_s": 0.0}
+    policy = planner(clock=lambda: now[0], downscale_s=30.0)
+    moves = []
+    for _ in range(7):  # idle: 0P1D is chosen at every evaluation, 5 s apart
+        targets, _ = policy({d.id: d.context(now[0]) for d in (prefill, decode)})
+        moves.append(targets[decode.id])
+        now[0] += 5
+    assert moves == [2] * 6 + [1]  # chosen from 0 s on, moved once it lasted 30 s
