@@ -240,9 +240,9 @@ def plot_step_gaps(result: dict, path: Path) -> Path:
 
 
 def plot_trace(result: dict, path: Path) -> Path:
-    """`pdserve bench trace`: on one time axis, the load (requests arriving per BIN, the
+    """`pdserve bench trace`: on one time axis, the load (requests arriving per 30 s, the
     phases shaded), each target's replicas per tier, and each target's SLO attainment per
-    bin of request starts."""
+    30 s of request starts."""
     bin_s = 30.0
     end = result["phases"][-1][2]
     edges = list(range(0, int(end + bin_s), int(bin_s)))

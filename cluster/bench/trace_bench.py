@@ -46,7 +46,6 @@ from cluster.model.gguf_tokenizer import load_tokenizer
 from cluster.serving.routing import TIER_DEPLOYMENTS
 
 SAMPLE_S = 2.0
-BIN_S = 30.0  # attainment over time: per bin of request starts
 
 
 @dataclass(frozen=True)
@@ -190,11 +189,12 @@ def summarize(requests: list[TraceRequest], results: list[RequestResult], phases
                                                for i in idx if results[i].success]) * 1e3) if done else None,
         }
     end_s = max(phases[-1][2], max((res.start - t0 + res.latency for res in results), default=0.0))
+    spent = replica_seconds(samples, end_s)
     return {
         "attainment": sum(ok) / len(ok) if ok else None,
         "phases": per_phase,
-        "replica_seconds": replica_seconds(samples, end_s),
-        "core_seconds": threads * replica_seconds(samples, end_s),
+        "replica_seconds": spent,
+        "core_seconds": threads * spent,
         "replicas": samples,
         "requests": [{"t": req.t, "phase": req.phase, "ok": k, "success": res.success, "ttft_ms": res.ttft * 1e3,
                       "latency_ms": res.latency * 1e3} for req, res, k in zip(requests, results, ok)],

@@ -129,12 +129,12 @@ class SloPlanner:
         if not predictions:
             self._publish()
             return None
+        now_predicted = predictions.get(current, Prediction(math.inf, math.inf))  # (outside the budget: none)
         self.status.update(
             forecast=vars(expected), calibration={"ttft": self.calibration.ttft, "itl": self.calibration.itl},
             costs={"prefill": vars(prefill_costs), "decode": vars(decode_costs)},
             predicted={str(s): _finite(vars(p)) for s, p in predictions.items()},
-            predicted_ttft_s=_finite_value(predictions.get(current, Prediction(math.inf, math.inf)).ttft_s),
-            predicted_itl_s=_finite_value(predictions.get(current, Prediction(math.inf, math.inf)).itl_s),
+            predicted_ttft_s=_finite_value(now_predicted.ttft_s), predicted_itl_s=_finite_value(now_predicted.itl_s),
         )
         return self._decide(current, choose(predictions, self.slo, self.bounds), "steady")
 
