@@ -98,7 +98,8 @@ class DecodeWorker(EngineWorker):
         span = tracing.start("decode", req.trace, worker=self.worker_id, request_id=req.request_id,
                              local_prefill=req.local_prefill or self.colocated, resumes_after=len(req.generated))
         sent = tokens = 0
-        self.load.arrived()
+        self.load.arrived(len(req.request.prompt_token_ids))
+        self.load.generated(len(req.generated))  # (a migrated request's tokens before it came here)
         last = time.perf_counter()  # the call's start, then each delta's
         try:
             async for out in self._outputs(req, span):
@@ -113,13 +114,14 @@ class DecodeWorker(EngineWorker):
                 last = now
                 sent += 1
                 tokens += len(out.new_token_ids)
+                self.load.generated(len(out.new_token_ids))
                 if out.finished:
                     self.load.finished(len(req.generated) + tokens)
         except Exception as e:
             span.end(e)
             raise
         finally:
-            self.load.ended()
+            self.load.ended(len(req.generated) + tokens)
             self.publish_soon()  # its output's blocks too (or all freed)
             span.set(output_tokens=tokens)
             span.end()

@@ -7,10 +7,12 @@ tick with each autoscaled deployment's context. Every `interval_s` it:
     1. reads the replicas' reports (record_autoscaling_stats: their step costs and load,
        averaged by Serve over the look-back window)
     2. calibrates: the current split's prediction against the TTFT/ITL observed under it
-    3. forecasts the load `horizon_s` ahead (a replica's start)
+    3. forecasts the load `horizon_s` ahead (a replica's start), and sizes for it or for
+       the load now, whichever is higher
     4. predicts every split in the bounds and budget, chooses (sizing.choose), and moves
-       the tiers there once another split came `confirm` times in a row (a cheaper one:
-       for `downscale_s`)
+       the tiers there once another split came `confirm` times in a row: a tier that grows
+       at once, one that shrinks once the choice lasted `downscale_s` (sooner where the
+       budget needs its replicas for the other)
 
 Between evaluations, and whenever it cannot decide (too few steps seen yet), it returns the
 current targets. It runs inside Serve's control loop: it must be fast and never raise (an
@@ -63,10 +65,12 @@ def _toward(factor: float, observed: float | None, predicted: float) -> float:
 class SloPlanner:
     def __init__(self, *, ttft_ms: float, itl_ms: float, bounds: dict, tiers: dict[str, str], step_slowdown: float,
                  interval_s: float = 5.0, confirm: int = 2, downscale_s: float = 30.0, horizon_s: float = 10.0,
-                 redis_url: str | None = None,
+                 redis_url: str | None = None, seed_costs: dict[str, dict] | None = None,
                  app_name: str = "pdserve", clock=time.time):
         """`tiers`: {"prefill": deployment name, "decode": deployment name}; `bounds`:
-        sizing.Bounds's fields; `step_slowdown`: the decode tier's (for prompts it computes)."""
+        sizing.Bounds's fields; `step_slowdown`: the decode tier's (for prompts it computes);
+        `seed_costs`: per tier, EngineCosts's fields (a profile: cluster/planner/profile.py),
+        used until the tier's replicas have fitted their own."""
         self.slo = Slo(ttft_ms / 1e3, itl_ms / 1e3)
         self.bounds = Bounds(**bounds)
         self.tiers = tiers
@@ -78,7 +82,7 @@ class SloPlanner:
         self._next_eval = 0.0
         self._pending_count = 0  # evaluations in a row that chose another split than the current one
         self._pending_since: float | None = None  # ... since this time
-        self._known_costs: dict[str, EngineCosts] = {}
+        self._known_costs: dict[str, EngineCosts] = {tier: EngineCosts(**c) for tier, c in (seed_costs or {}).items()}
         self.status: dict = {"state": "learning"}
         self._redis = connect_sync(redis_url, socket_timeout=0.2, socket_connect_timeout=0.2) if redis_url else None
         self._status_key = STATUS_KEY.format(app=app_name)
@@ -123,7 +127,7 @@ class SloPlanner:
         self.forecast.observe(now, observed)
         self.calibration.update(predict(current, observed, prefill_costs, decode_costs, self.step_slowdown),
                                 observed_ttft, observed_itl)
-        expected = self.forecast.predict(self.horizon_s)
+        expected = _larger(self.forecast.predict(self.horizon_s), observed)
         predictions = {s: predict(s, expected, prefill_costs, decode_costs, self.step_slowdown)
                        .scaled(self.calibration.ttft, self.calibration.itl) for s in self.bounds.splits()}
         if not predictions:
@@ -139,27 +143,44 @@ class SloPlanner:
         return self._decide(current, choose(predictions, self.slo, self.bounds), "steady")
 
     def _decide(self, current: Split, chosen: Split, steady: str) -> Split | None:
-        """Move to `chosen` once another split than the current one was chosen `confirm`
+        """Move toward `chosen` once another split than the current one was chosen `confirm`
         times in a row (the latest choice is made: near-equal splits alternating must not
-        hold a move back), and to a cheaper one only once that lasted `downscale_s` (a gap
-        between sparse arrivals must not send a replica away that the next one needs: a
-        start costs seconds, while an extra replica costs only its share of the budget for
-        a while); publish the status either way."""
+        hold a move back): a tier it grows grows now; a tier it shrinks shrinks once the
+        choice lasted `downscale_s` (a gap between sparse arrivals must not send a replica
+        away that the next one needs: a start costs seconds, while an extra replica costs
+        only its share of the budget for a while), or sooner as far as the budget needs its
+        replicas for the tier that grows. Publish the status either way."""
         now = self.clock()
         if chosen == current:
             self._pending_count, self._pending_since = 0, None
         else:
             self._pending_count += 1
             self._pending_since = self._pending_since if self._pending_since is not None else now
-        cheaper = self.bounds.cost(chosen) < self.bounds.cost(current)
-        move = self._pending_count >= self.confirm and (not cheaper or now - self._pending_since >= self.downscale_s)
+        target = current
+        if self._pending_count >= self.confirm:
+            target = chosen if now - self._pending_since >= self.downscale_s else self._grown(current, chosen)
+        move = target != current
         self.status.update(state="moving" if move else steady if chosen == current else "confirming", chosen=str(chosen))
         if move:
-            log.info("SLO planner: %s -> %s (%s)", current, chosen, self.status.get("forecast") or "idle")
-            self._pending_count, self._pending_since = 0, None
-            self.status["replicas"] = {"prefill": chosen.prefill, "decode": chosen.decode}
+            log.info("SLO planner: %s -> %s (%s)", current, target, self.status.get("forecast") or "idle")
+            if target == chosen:
+                self._pending_count, self._pending_since = 0, None
+            self.status["replicas"] = {"prefill": target.prefill, "decode": target.decode}
         self._publish()
-        return chosen if move else None
+        return target if move else None
+
+    def _grown(self, current: Split, chosen: Split) -> Split:
+        """`current` with the tiers `chosen` grows grown, and the others shrunk toward
+        `chosen` only as far as the budget needs."""
+        target = Split(max(current.prefill, chosen.prefill), max(current.decode, chosen.decode))
+        while self.bounds.cost(target) > self.bounds.budget + 1e-9:
+            if target.prefill > chosen.prefill:
+                target = Split(target.prefill - 1, target.decode)
+            elif target.decode > chosen.decode:
+                target = Split(target.prefill, target.decode - 1)
+            else:
+                break
+        return target
 
     def _publish(self) -> None:
         if self._redis is None or self.clock() - self._publish_failed_at < STATUS_TTL_S:
@@ -183,19 +204,39 @@ def _replica_reports(ctx) -> list[dict[str, float]]:
 
 
 def _observed(reports: dict[str, list[dict]]) -> tuple[Load | None, float | None, float | None]:
-    """The load the cluster sees (every generation passes a decode replica; prompts are
-    computed on either tier) and the decode replicas' TTFT/ITL, weighted by their requests."""
+    """The load arriving (every generation passes a decode replica, which sees its prompt's
+    length) and the decode replicas' TTFT/ITL, weighted by their requests. Prompt work per
+    request is the prompt less what the prefix caches find, where the prompts compute: the
+    prefill tier, or with none the decode tier."""
     decode = reports["decode"]
     if not decode:
         return None, None, None
     rate = sum(r.get("requests_per_s", 0.0) for r in decode)
-    output = _weighted(decode, "output_tokens_per_request")
     if rate <= 0:  # no arrival: idle once nothing runs either (else wait: the running ones hold their replicas)
         return (Load(0.0, 0.0, 0.0) if not any(r.get("running_requests", 0.0) for r in decode) else None), None, None
-    if output is None:  # requests, none finished yet: their lengths are not known
+    # Answers' length: the mean of those that ended, or more if the running ones already
+    # have more, or if Little's law says so: N requests held at a rate r, each a TTFT and then
+    # (output - 1) gaps of ITL, hold N = r (TTFT + (output - 1) ITL). The last two see a
+    # phase of longer answers at once; the first only once they end.
+    ttft, itl = _weighted(decode, "ttft_s"), _weighted(decode, "itl_s")
+    lengths = [x for x in (_weighted(decode, "output_tokens_per_request"),
+                           _weighted(decode, "running_output_tokens_per_request")) if x is not None]
+    held = sum(r.get("running_requests", 0.0) for r in decode)
+    if ttft is not None and itl:
+        lengths.append((held / rate - ttft) / itl + 1)
+    if not lengths:  # requests, none with a token yet: their lengths are not known
         return None, None, None
-    computed = sum(r.get("computed_prompt_tokens_per_s", 0.0) for rs in reports.values() for r in rs)
-    return Load(rate, computed / rate, output), _weighted(decode, "ttft_s"), _weighted(decode, "itl_s")
+    prompt = _weighted(decode, "prompt_tokens_per_request") or 0.0
+    hits = _weighted(reports["prefill"], "prefix_hit_share")
+    hits = _weighted(decode, "prefix_hit_share") if hits is None else hits
+    return Load(rate, prompt * (1.0 - (hits or 0.0)), max(lengths)), ttft, itl
+
+
+def _larger(forecast: Load, observed: Load) -> Load:
+    """The load to size for: the forecast where it is higher (a ramp met ahead), else what
+    is there now (a forecast falling at a phase's end must not send away what the load
+    still needs; the next intervals show whether it really fell)."""
+    return Load(*(max(f, o) for f, o in zip(vars(forecast).values(), vars(observed).values())))
 
 
 def _weighted(reports: list[dict], name: str) -> float | None:

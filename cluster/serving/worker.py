@@ -56,6 +56,7 @@ class EngineWorker:
         self.costs = StepCostModel(chunk_tokens=chunk)
         self.load = LoadMeter()
         self._costs_seen_until = 0.0  # wall-clock start of the last step fitted
+        self._lookups_seen = (0, 0)  # the scheduler's prefix-cache counters (looked up, found) at the last report
         self._block_bytes = sum(k[0].nbytes + v[0].nbytes for k, v in self.kv_caches)  # rank 0's heads
         self.index = None
         if redis_url:
@@ -163,12 +164,17 @@ class EngineWorker:
         engine's step costs, fitted from the steps since the last call, and the load of
         the last cluster/planner/load.py WINDOW_S."""
         seen = self._costs_seen_until
-        steps = [s for s in await self.engine.call(lambda e: e.timeline.since(seen)) if s.t > seen]  # each step once
+
+        def read(engine) -> tuple[list, int, int]:
+            return engine.timeline.since(seen), engine.scheduler.prefix_query_tokens, engine.scheduler.prefix_hit_tokens
+
+        timeline, looked_up, found = await self.engine.call(read)
+        steps = [s for s in timeline if s.t > seen]  # each step once
         if steps:
             self._costs_seen_until = steps[-1].t
         self.costs.observe(steps)
-        for s in steps:
-            self.load.computed(s.t, s.prompt)
+        self.load.prefix_lookups(looked_up - self._lookups_seen[0], found - self._lookups_seen[1])
+        self._lookups_seen = (looked_up, found)
         return {**self.costs.report(), **self.load.report()}
 
     @staticmethod

@@ -88,28 +88,33 @@ def test_the_load_meter_reports_its_sliding_window():
     now = [100.0]
     meter = LoadMeter(window_s=10.0, clock=lambda: now[0])
     now[0] = 110.0  # a full window since it began
-    for _ in range(4):
-        meter.arrived()
-    meter.computed(109.0, 600)
-    meter.computed(109.5, 0)  # a decode-only step
+    for prompt in (100, 200, 300, 400):
+        meter.arrived(prompt)
+    meter.prefix_lookups(1000, 250)
+    meter.prefix_lookups(0, 0)  # nothing looked up since
     meter.first_token(0.5)
     meter.first_token(0.7)
     for gap in (0.01, 0.02, 0.03):
         meter.token_gap(gap)
+    meter.generated(100 + 300 + 50 + 400)  # the four so far
     meter.finished(100)
     meter.finished(300)
-    meter.ended()
+    meter.ended(100)
     assert meter.report() == {
-        "requests_per_s": 0.4, "computed_prompt_tokens_per_s": 60.0, "output_tokens_per_request": 200.0,
-        "ttft_s": 0.6, "itl_s": 0.02, "running_requests": 3.0,
+        "requests_per_s": 0.4, "prompt_tokens_per_request": 250.0, "prefix_hit_share": 0.25,
+        "output_tokens_per_request": 200.0, "ttft_s": 0.6, "itl_s": 0.02, "running_requests": 3.0,
+        "running_output_tokens_per_request": 250.0,  # (300 + 50 + 400) / 3: already longer than those that ended
     }
+    meter.token_gap(0.05, count=10)  # ten gaps of one step at once (the simulation's)
+    assert meter.report()["itl_s"] == 0.05
     now[0] = 115.0
-    meter.arrived()
+    meter.arrived(1000)
     assert meter.report()["requests_per_s"] == 0.5  # the window still holds the first four
     now[0] = 121.0  # they left it; the last one is still in
-    for _ in range(3):
-        meter.ended()
-    assert meter.report() == {"requests_per_s": 0.1, "computed_prompt_tokens_per_s": 0.0, "running_requests": 1.0}
+    for tokens in (300, 50, 400):
+        meter.ended(tokens)
+    assert meter.report() == {"requests_per_s": 0.1, "prompt_tokens_per_request": 1000.0, "running_requests": 1.0,
+                              "running_output_tokens_per_request": 0.0}
 
 
 def test_the_forecast_meets_a_ramp_ahead_and_an_idle_interval_keeps_the_lengths():
@@ -183,11 +188,11 @@ def test_the_policy_adds_decode_replicas_when_the_itl_target_is_missed_and_publi
     the planner moves to more decode replicas, after confirming, and says so in Redis."""
     now = [1000.0]
     prefill, decode = Deployment("PrefillWorker", 1), Deployment("DecodeWorker", 1)
-    prefill.reports = {"prompt_base_s": 0.01, "prompt_per_token_s": 0.001, "chunk_tokens": 512,
-                       "computed_prompt_tokens_per_s": 400.0, "requests_per_s": 0.0}
+    prefill.reports = {"prompt_base_s": 0.01, "prompt_per_token_s": 0.001, "chunk_tokens": 512, "requests_per_s": 0.0,
+                       "prefix_hit_share": 0.5}
     # 4 req/s x 200 output tokens on one decode replica: ITL 20 ms + 1 ms x ~160 running.
     decode.reports = {"decode_base_s": 0.02, "decode_per_seq_s": 0.001, "requests_per_s": 4.0,
-                      "output_tokens_per_request": 200.0, "ttft_s": 0.3, "itl_s": 0.09}
+                      "prompt_tokens_per_request": 200.0, "output_tokens_per_request": 200.0, "ttft_s": 0.3, "itl_s": 0.09}
     with PrivateRedis() as redis:
         policy = planner(redis.url, clock=lambda: now[0], downscale_s=30.0)  # (a move up does not wait for it)
         decisions = []
@@ -202,6 +207,7 @@ def test_the_policy_adds_decode_replicas_when_the_itl_target_is_missed_and_publi
         status = asyncio.run(PlannerStatus(redis.url).read())
         assert status["state"] in ("moving", "steady", "confirming") and status["observed_itl_s"] == pytest.approx(0.09)
         assert status["slo_itl_s"] == 0.04 and status["forecast"]["requests_per_s"] > 0
+        assert status["observed"]["prompt_tokens"] == 100.0  # 200-token prompts, half found in the prefill's cache
         text = GatewayMetrics("t").render({}, {}, status).decode()
         assert 'pdserve_planner_seconds{kind="observed",slo="itl"} 0.09' in text
         assert 'pdserve_planner_replicas{tier="decode"}' in text
@@ -264,7 +270,7 @@ def test_a_tier_scaled_to_zero_keeps_its_last_known_costs():
     # Load is back, on the decode replica alone: 2 req/s of 500-token prompts beside the decodes
     # (1 s of prompt work per second on one engine) cannot meet the TTFT target; 1P1D can.
     decode.reports = {"decode_base_s": 0.02, "decode_per_seq_s": 0.001, "requests_per_s": 0.5,
-                      "computed_prompt_tokens_per_s": 250.0, "output_tokens_per_request": 50.0, "ttft_s": 9.0, "itl_s": 0.05}
+                      "prompt_tokens_per_request": 500.0, "output_tokens_per_request": 50.0, "ttft_s": 9.0, "itl_s": 0.05}
     for _ in range(2):
         targets, _ = policy({d.id: d.context(now[0]) for d in (prefill, decode)})
         now[0] += 5
@@ -287,3 +293,29 @@ def test_a_cheaper_split_waits_for_its_choice_to_last_and_a_costlier_one_does_no
         moves.append(targets[decode.id])
         now[0] += 5
     assert moves == [2] * 6 + [1]  # chosen from 0 s on, moved once it lasted 30 s
+
+
+@pytest.mark.parametrize("budget", [3, 2])
+def test_a_tier_that_must_grow_grows_at_once_and_the_other_shrinks_when_it_lasted_or_the_budget_binds(budget):
+    """A phase of long answers: 0P2D is the cheapest split that meets the ITL target (the
+    prompts are short). Its decode replica is added after `confirm`, not after the downscale
+    wait; the prefill replica stays until that wait is over, unless the budget needs its
+    core for the decode replica now."""
+    now = [0.0]
+    prefill, decode = Deployment("PrefillWorker", 1), Deployment("DecodeWorker", 1)
+    prefill.reports = {"prompt_base_s": 0.01, "prompt_per_token_s": 0.001, "chunk_tokens": 512, "requests_per_s": 0.0}
+    decode.reports = {"decode_base_s": 0.02, "decode_per_seq_s": 0.001, "prompt_tokens_per_request": 10.0,
+                      "output_tokens_per_request": 200.0, "ttft_s": 0.04}
+    policy = planner(clock=lambda: now[0], downscale_s=30.0, max_decode=2, budget=budget)
+    splits = []
+    for _ in range(8):  # each decode replica sees its share, with the ITL the model predicts for it
+        decode.reports.update(requests_per_s=2.0 / decode.replicas, itl_s=0.033 if decode.replicas == 1 else 0.025)
+        targets, _ = policy({d.id: d.context(now[0]) for d in (prefill, decode)})
+        splits.append((targets[prefill.id], targets[decode.id]))
+        prefill.replicas, decode.replicas = splits[-1]
+        now[0] += 5
+    assert policy.status["chosen"] == "0P2D"
+    if budget == 3:
+        assert splits == [(1, 1)] + [(1, 2)] * 5 + [(0, 2)] * 2  # decode at once; prefill gone 30 s after the first choice
+    else:
+        assert splits == [(1, 1)] + [(0, 2)] * 7  # no core for a second decode replica beside the prefill one
