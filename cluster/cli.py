@@ -1,4 +1,4 @@
-"""`pdserve` command line: make-model, generate, bench, serve."""
+"""`pdserve` command line: make-model, generate, bench, plan, serve, status."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ from cluster.bench.flags import (
     add_chunk_flag,
     add_compare_flags,
     add_kv_cache_dtype_flag,
+    add_plan_flags,
+    add_profile_flags,
     add_protect_flags,
     add_quantization_flag,
     add_serve_flags,
     add_sweep_flags,
     add_trace_flags,
+    positive_ints,
 )
 from cluster.config import DTYPES, CacheConfig, EngineConfig
 from cluster.host.cpu_features import CpuCapabilityError, detect
@@ -95,17 +98,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_ints(text: str) -> list[int]:
-    """A comma-separated list of integers >= 1 (argparse type: a bad one is a usage error)."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1 separated by commas, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -153,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--input-len", type=int, default=256)
     be.add_argument("--output-len", type=int, default=64)
     add_kv_cache_dtype_flag(be)
-    be.add_argument("--batch-sizes", type=_positive_ints, default="1,16")
+    be.add_argument("--batch-sizes", type=positive_ints, default="1,16")
     be.add_argument("--threads", type=int, default=None, help="torch threads (per tensor-parallel rank)")
     be.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks the model is split over")
     be.add_argument("--rounds", type=int, default=3, help="alternating rounds per system; medians reported")
@@ -217,10 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "SLO attainment per phase, replicas per tier over time, replica-seconds, and a plot")
     add_trace_flags(bo)
     bo.set_defaults(fn=_runs("cluster.bench.trace_bench:run_trace_bench"))
+    bf = bsub.add_parser("profile", help="one replica's step costs, measured offline: a profile for the SLO planner's "
+                         "seed (serve --planner-profile) and its simulation (plan --simulate)")
+    add_profile_flags(bf)
+    bf.set_defaults(fn=_runs("cluster.bench.profile_bench:run_profile_bench"))
     bx = bsub.add_parser("chaos", help="a serving load on a local cluster while replicas are killed and requests aborted; "
                          "checks that none failed, texts match an offline run and no KV block leaked")
     add_chaos_flags(bx)
     bx.set_defaults(fn=_runs("cluster.bench.chaos_bench:run_chaos"))
+
+    pl = sub.add_parser("plan", help="the tiers' split a workload needs, from a replica profile: for a steady load, "
+                        "or simulated over a trace (--simulate), at any size")
+    add_plan_flags(pl)
+    pl.set_defaults(fn=_runs("cluster.bench.plan:run_plan"))
 
     s = sub.add_parser("serve", help="start the serving cluster on Ray (local unless RAY_ADDRESS/--address)")
     add_config_flags(s)

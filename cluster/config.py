@@ -301,6 +301,7 @@ class PlannerConfig:
     interval_s: float = 5.0  # between decisions
     confirm: int = 2  # another split this many decisions in a row before the tiers move ...
     downscale_s: float = 30.0  # ... and to a cheaper split, for this long
+    profile: str | None = None  # a replica profile (pdserve bench profile): the costs known before replicas fit theirs
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNERS:

@@ -14,6 +14,7 @@ from cluster.config import (
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    PlannerConfig,
     RoutingConfig,
     SchedulerConfig,
 )
@@ -170,6 +171,64 @@ def add_trace_flags(p) -> None:
     p.add_argument("--planner-budget", type=int, default=2, help="cores the planner's tiers share (one per replica)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--result-dir", default="bench-results")
+    p.add_argument("--result-filename", default=None)
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (argparse type: a bad one is a usage error)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 separated by commas, got {text!r}")
+    return values
+
+
+def add_profile_flags(p) -> None:
+    """`pdserve bench profile`: one replica's step costs, offline, as a planner profile."""
+    add_local_target_flags(p)
+    p.set_defaults(dtype="auto")  # (--local-model: the built-in model by default)
+    p.add_argument("--prompt-lens", type=positive_ints, default="64,256,1024,2048", help="prompts run alone")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,2,4,8,16,32", help="batches run decoding")
+    p.add_argument("--decode-steps", type=int, default=32, help="tokens each batch decodes")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--replica-start-s", type=float, default=None,
+                   help="a replica's start as measured on the cluster (default: the engine's own, without Serve's)")
+    p.add_argument("--base-url", default=None, help="a running server to measure a request's overhead outside the engines")
+    p.add_argument("--model", default=None, help="the model id that server serves (default: its first)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--overhead-requests", type=int, default=16)
+    p.add_argument("--out", default="profile.json")
+
+
+def add_plan_flags(p) -> None:
+    """`pdserve plan`: the split a workload needs, from a replica profile."""
+    planner = PlannerConfig()
+    p.add_argument("--profile", required=True, help="a replica profile (pdserve bench profile writes one)")
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=60.0, help="a request's mean inter-token time (TPOT) target")
+    p.add_argument("--prefill-min-replicas", type=int, default=planner.min_prefill)
+    p.add_argument("--prefill-max-replicas", type=int, default=planner.max_prefill)
+    p.add_argument("--decode-min-replicas", type=int, default=planner.min_decode)
+    p.add_argument("--decode-max-replicas", type=int, default=planner.max_decode)
+    p.add_argument("--budget", type=float, default=None, help="replicas both tiers may use together (default: both maxima)")
+    p.add_argument("--rate", type=float, default=1.0, help="steady load: requests/s")
+    p.add_argument("--prompt-len", type=int, default=512, help="steady load: prompt tokens computed per request")
+    p.add_argument("--output-len", type=int, default=128, help="steady load: output tokens per request")
+    p.add_argument("--simulate", action="store_true", help="run --targets over a trace on the model of the cluster")
+    p.add_argument("--targets", default="planner", help="comma-separated: planner, '<P>p<D>d', '<N>colocated'")
+    p.add_argument("--trace", help="JSONL, one {t, prompt_len, output_len[, phase]} per request (default: built-in phases)")
+    p.add_argument("--day", type=float, default=None, metavar="PEAK_RATE",
+                   help="the built-in day instead: 24 phases (one an hour) peaking at this many requests/s")
+    p.add_argument("--phase-s", type=float, default=150.0, help="each built-in phase's length")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="the built-in phases' rates times this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--planner-interval-s", type=float, default=planner.interval_s)
+    p.add_argument("--planner-downscale-s", type=float, default=planner.downscale_s)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="a request slower than this failed")
+    p.add_argument("--compare-with", help="a `pdserve bench trace` result of the same trace: measured beside simulated")
     p.add_argument("--result-dir", default="bench-results")
     p.add_argument("--result-filename", default=None)
 

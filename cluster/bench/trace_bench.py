@@ -7,10 +7,7 @@ SLO attainment per phase, the tiers' replica counts over time and replica-second
     targets    local configurations (--targets: '<P>p<D>d@threads', '[N]colocated@threads')
                and `planner`: the SLO planner (pdserve serve --planner slo) within
                --planner-budget cores, its tiers starting at 1P1D
-    a request  meets the SLOs when its TTFT <= --slo-ttft-ms and its mean inter-token time
-               (TPOT) <= --slo-itl-ms; attainment is the share that does, per phase and all
-    cost       replica-seconds of both tiers, and core-seconds (replicas x their threads:
-               what the budget counts; one 2-thread replica costs two cores)
+    results    per phase and all, attainment and replica- and core-seconds: trace_summary.py
 
 The replica counts are Serve's running replicas per tier, sampled every SAMPLE_S. Writes
 trace.json (per target: every request's timing, the samples, attainment, replica-seconds)
@@ -21,15 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import random
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import aiohttp
-import numpy as np
 from ray import serve
 
 from cluster.bench import datasets
@@ -37,81 +31,17 @@ from cluster.bench.openai_client import RequestResult, send
 from cluster.bench.plots import plot_trace
 from cluster.bench.provenance import write_result
 from cluster.bench.sweep_compare import local_cluster, local_config, local_ray, local_target, summary_path
+from cluster.bench.trace_summary import summarize
 from cluster.config import APP_NAME, PlannerConfig
 from cluster.host.cpu_features import cpu_summary
 from cluster.launch import planner
 from cluster.launch.serve import on_this_machine
 from cluster.model.builtin import builtin_model_path
 from cluster.model.gguf_tokenizer import load_tokenizer
+from cluster.planner.workload import TraceRequest, builtin_trace, load_trace
 from cluster.serving.routing import TIER_DEPLOYMENTS
 
 SAMPLE_S = 2.0
-
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    share: float  # of --phase-s
-    rate: float  # requests/s
-    prompt_len: int
-    output_len: int
-    burstiness: float = 1.0  # gamma shape of the gaps: < 1 is burstier than Poisson
-
-
-# Chat, then prompt-heavy (long documents, short answers), then decode-heavy (short
-# questions, long answers) in bursts, then quiet: each wants another split.
-BUILTIN = (
-    Phase("chat", 1.0, 0.5, 256, 64),
-    Phase("long prompts", 1.0, 0.12, 1536, 16),
-    Phase("long answers", 1.0, 0.3, 48, 256, burstiness=0.5),
-    Phase("quiet", 1.0, 0.05, 256, 64),
-)
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    t: float
-    phase: str
-    prompt_len: int
-    output_len: int
-
-
-def builtin_trace(phase_s: float, seed: int) -> tuple[list[TraceRequest], list[tuple[str, float, float]]]:
-    """(requests, phases as (name, start, end))."""
-    rng = np.random.default_rng(seed)
-    requests, phases, start = [], [], 0.0
-    for p in BUILTIN:
-        end = start + p.share * phase_s
-        t = start
-        while True:
-            t += rng.gamma(shape=p.burstiness, scale=1.0 / (p.rate * p.burstiness))
-            if t >= end:
-                break
-            requests.append(TraceRequest(t, p.name, p.prompt_len, p.output_len))
-        phases.append((p.name, start, end))
-        start = end
-    return requests, phases
-
-
-def load_trace(path: str) -> tuple[list[TraceRequest], list[tuple[str, float, float]]]:
-    requests = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                requests.append(TraceRequest(float(d["t"]), str(d.get("phase", "all")), int(d["prompt_len"]), int(d["output_len"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{i}: a trace line needs t, prompt_len and output_len ({e})") from None
-    if not requests:
-        raise ValueError(f"{path}: no request in the trace")
-    requests.sort(key=lambda r: r.t)
-    phases: dict[str, list[float]] = {}
-    for r in requests:
-        span = phases.setdefault(r.phase, [r.t, r.t])
-        span[1] = r.t
-    return requests, [(name, lo, hi) for name, (lo, hi) in phases.items()]
 
 
 class ReplicaSampler:
@@ -155,50 +85,6 @@ async def replay(url: str, requests: list[TraceRequest], prompts: list[str], tim
             return await send(client, "/v1/completions", "bench", prompt, r.output_len, True, r.prompt_len)
 
         return await asyncio.gather(*(one(r, p) for r, p in zip(requests, prompts)))
-
-
-def meets(r: RequestResult, output_len: int, ttft_s: float, itl_s: float) -> bool:
-    if not r.success:
-        return False
-    tpot = (r.latency - r.ttft) / (output_len - 1) if output_len > 1 else 0.0
-    return r.ttft <= ttft_s and tpot <= itl_s
-
-
-def replica_seconds(samples: list[tuple[float, int, int]], end_s: float) -> float:
-    """Prefill + decode replicas integrated over [0, end_s] (each sample holds until the next)."""
-    total = 0.0
-    for (t, p, d), nxt in zip(samples, [*samples[1:], (end_s, 0, 0)]):
-        total += (p + d) * max(0.0, min(nxt[0], end_s) - t)
-    return total
-
-
-def summarize(requests: list[TraceRequest], results: list[RequestResult], phases, samples, args, threads: int = 1) -> dict:
-    """`threads`: each replica's torch threads (cores), for core-seconds."""
-    slo_ttft, slo_itl = args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3
-    ok = [meets(res, req.output_len, slo_ttft, slo_itl) for req, res in zip(requests, results)]
-    t0 = min((res.start for res in results), default=0.0)
-    per_phase = {}
-    for name, _, _ in phases:
-        idx = [i for i, r in enumerate(requests) if r.phase == name]
-        done = [results[i] for i in idx if results[i].success]
-        per_phase[name] = {
-            "requests": len(idx), "failed": len(idx) - len(done),
-            "attainment": sum(ok[i] for i in idx) / len(idx) if idx else None,
-            "median_ttft_ms": float(np.median([r.ttft for r in done]) * 1e3) if done else None,
-            "median_tpot_ms": float(np.median([(results[i].latency - results[i].ttft) / max(requests[i].output_len - 1, 1)
-                                               for i in idx if results[i].success]) * 1e3) if done else None,
-        }
-    end_s = max(phases[-1][2], max((res.start - t0 + res.latency for res in results), default=0.0))
-    spent = replica_seconds(samples, end_s)
-    return {
-        "attainment": sum(ok) / len(ok) if ok else None,
-        "phases": per_phase,
-        "replica_seconds": spent,
-        "core_seconds": threads * spent,
-        "replicas": samples,
-        "requests": [{"t": req.t, "phase": req.phase, "ok": k, "success": res.success, "ttft_ms": res.ttft * 1e3,
-                      "latency_ms": res.latency * 1e3} for req, res, k in zip(requests, results, ok)],
-    }
 
 
 @contextmanager

@@ -119,6 +119,8 @@ SERVE_FLAGS = (
          "in a row)"),
     Flag("--planner-downscale-s", ("planner.downscale_s",), "how long the planner's choice of a cheaper split must "
          "last before replicas go"),
+    Flag("--planner-profile", ("planner.profile",), "a replica profile (pdserve bench profile): the planner sizes from "
+         "it until the replicas have fitted their own step costs"),
     Flag("--planner-budget", ("planner.budget",), "resource units both tiers' replicas may use together (cores on a CPU "
          "cluster, GPUs on a GPU one; default: this machine's cores, or every tier at its max on a Ray cluster)"),
 )

@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import APP_NAME, ClusterConfig, TierConfig
+from cluster.planner.profile import Profile
 from cluster.serving.routing import TIER_DEPLOYMENTS
 
 POLICY = "cluster.planner.policy:SloPlanner"
@@ -56,6 +57,8 @@ def planned(config: ClusterConfig) -> ClusterConfig:
     if config.gateway.api_keys:
         raise ValueError("with --planner slo the API keys must come from --api-key-file: the Serve config that "
                          "deploys the application would hold them")
+    if p.profile:
+        Profile.load(p.profile)  # a bad file: one line now, not a policy that fails in Serve's controller
 
     def autoscaled(tier: TierConfig, low: int, high: int) -> TierConfig:
         return dataclasses.replace(tier, autoscaling={
@@ -78,6 +81,7 @@ def policy(config: ClusterConfig, local: bool) -> dict:
                    "prefill_units": units(config.prefill), "decode_units": units(config.decode)},
         "step_slowdown": config.decode_step_slowdown, "interval_s": p.interval_s, "confirm": p.confirm, "downscale_s": p.downscale_s,
         "horizon_s": HORIZON_S, "redis_url": config.redis_url, "app_name": APP_NAME,
+        "seed_costs": Profile.load(p.profile).costs() if p.profile else None,
     }}
 
 

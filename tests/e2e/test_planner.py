@@ -12,9 +12,11 @@ import openai
 import pytest
 from ray import serve
 
+from cluster.cli import main
 from cluster.config import APP_NAME, ClusterConfig, PlannerConfig, TierConfig
 from cluster.launch import planner
 from cluster.launch.redis_server import PrivateRedis
+from cluster.planner.profile import Profile
 from tests.e2e.conftest import MODEL_NAME
 from tests.helpers import PDSERVE, wait_until
 
@@ -68,3 +70,19 @@ def test_idle_the_planner_scales_the_prefill_tier_to_zero_and_the_decode_tier_co
     assert status.returncode == 0, status.stderr
     assert status.stdout.rstrip().splitlines()[-1].startswith("planner: ")
     assert "0P1D" in status.stdout.rstrip().splitlines()[-1], (status.stdout[-500:], idle_to_scaled)
+
+
+def test_bench_profile_measures_an_engine_and_a_served_request_s_overhead_for_plan(planned, engine_config, tmp_path):
+    """`pdserve bench profile` fits the engine's step costs offline and measures, against the
+    running cluster, what a request spends outside the engines; `pdserve plan` sizes from it."""
+    url, _ = planned
+    out = tmp_path / "profile.json"
+    assert main(["bench", "profile", "--local-model", engine_config.model, "--dtype", "float32", "--prompt-lens", "16,64",
+                 "--batch-sizes", "1,4", "--decode-steps", "8", "--rounds", "3", "--base-url", url, "--overhead-requests", "4",
+                 "--out", str(out)]) == 0
+    profile = Profile.load(out)
+    costs = profile.decode
+    assert costs.decode_base_s > 0 and costs.prompt_per_token_s > 0 and costs.chunk_tokens == 2048
+    assert profile.prefill == profile.decode  # one engine measured for both tiers
+    assert profile.overhead_s > 0 and profile.replica_start_s > 0 and profile.source["cpu"]
+    assert main(["plan", "--profile", str(out), "--rate", "1", "--prompt-len", "32", "--output-len", "8"]) == 0

@@ -12,6 +12,9 @@ from cluster.cli import build_parser
 from cluster.config import LOCAL_SERVE_ENVIRONMENT, ClusterConfig, from_dict
 from cluster.launch import ingress, planner, ports
 from cluster.launch.serve import config_from_args
+from cluster.planner.costs import EngineCosts
+from cluster.planner.policy import SloPlanner
+from cluster.planner.profile import Profile
 
 
 def config_of(*flags: str):
@@ -141,3 +144,20 @@ def test_planner_flags_make_the_serve_config_with_the_application_level_policy()
                          (("--planner", "slo", "--api-key", "sk-x"), "--api-key-file")):
         with pytest.raises(ValueError, match=error):
             planner.planned(config_of(*flags))
+
+
+def test_a_planner_profile_seeds_the_policy_and_a_bad_one_is_refused_before_anything_starts(tmp_path):
+    costs = EngineCosts(decode_base_s=0.02, decode_per_seq_s=0.001, prompt_base_s=0.01, prompt_per_token_s=0.002,
+                        chunk_tokens=512)
+    good = tmp_path / "profile.json"
+    Profile(prefill=costs, decode=costs, decode_step_slowdown=1.2, colocated_step_slowdown=2.0,
+            colocated_min_prompt_chunk=32).save(good)
+    config = planner.planned(config_of("--planner", "slo", "--planner-profile", str(good)))
+    kwargs = json.loads(json.dumps(planner.policy(config, local=True)["policy_kwargs"]))
+    assert kwargs["seed_costs"]["prefill"]["prompt_per_token_s"] == 0.002
+    assert SloPlanner(**kwargs, clock=lambda: 0.0)._known_costs["decode"] == costs
+    assert planner.policy(planner.planned(config_of("--planner", "slo")), local=True)["policy_kwargs"]["seed_costs"] is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a replica profile"):
+        planner.planned(config_of("--planner", "slo", "--planner-profile", str(bad)))

@@ -7,7 +7,8 @@ import pytest
 
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.plots import plot_trace
-from cluster.bench.trace_bench import BUILTIN, builtin_trace, load_trace, meets, replica_seconds, summarize
+from cluster.bench.trace_summary import meets, replica_seconds, summarize
+from cluster.planner.workload import BUILTIN, builtin_trace, load_trace
 
 
 def test_the_builtin_trace_has_each_phase_at_its_rate_and_lengths():

@@ -1,0 +1,129 @@
+"""`pdserve bench profile`: what one replica's steps cost, measured offline, written as a
+profile (cluster/planner/profile.py): the seed of a live planner (`serve
+--planner-profile`) and the model of a simulated one (`pdserve plan --simulate`).
+
+The engine is built as a local target's replica is (the same flags, --torch-threads each),
+then runs prompts of each --prompt-lens alone (steps with prompt tokens only), batches of
+each --batch-sizes decoding (decode-only steps), and a prompt joining each batch (steps with
+both). The steps are fitted by the same StepCostModel every replica runs online
+(cluster/planner/costs.py). The replica start is the engine's own (model load, KV cache,
+warm-up) unless --replica-start-s gives one measured on the cluster (Serve's process start
+comes on top). With --base-url, requests sent one at a time to that server measure what a
+request spends outside the engines (overhead_s: median TTFT minus the fitted prompt time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import statistics
+import time
+
+import aiohttp
+import torch
+from tqdm import tqdm
+
+from cluster.bench import datasets
+from cluster.bench.engine_bench import random_prompts
+from cluster.bench.flags import local_engine_config
+from cluster.bench.openai_client import send
+from cluster.bench.provenance import provenance
+from cluster.config import ClusterConfig
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+from cluster.model.builtin import builtin_model_path
+from cluster.model.gguf_tokenizer import load_tokenizer
+from cluster.planner.costs import EngineCosts, StepCostModel
+from cluster.planner.profile import Profile
+
+JOINING_PROMPT = 256  # tokens of the prompt that joins each decoding batch
+OVERHEAD_PROMPT = 32  # tokens of the requests that measure the overhead
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, joining: list[int] | None = None) -> None:
+    """Run `prompts` to their end; `joining` is added once they all decode."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+        if joining is not None and steps == 2:
+            engine.add_request(joining, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+
+
+def measure_costs(engine: Engine, prompt_lens: list[int], batch_sizes: list[int], decode_steps: int, rounds: int) -> EngineCosts:
+    scheduler = engine.config.scheduler
+    model = StepCostModel(chunk_tokens=min(scheduler.max_num_batched_tokens,
+                                           scheduler.long_prefill_token_threshold or scheduler.max_num_batched_tokens))
+    vocab = engine.loaded.arch.vocab_size
+    work = [("prompt", n) for n in prompt_lens] + [("batch", b) for b in batch_sizes]
+    seen = time.time()
+    with tqdm(total=len(work) * rounds, desc="profiling the engine's steps", unit="run") as bar:
+        for r in range(rounds):
+            for kind, n in work:
+                if kind == "prompt":
+                    run_engine(engine, random_prompts(1, n, vocab, seed=100 + r), max_tokens=1)
+                else:
+                    run_engine(engine, random_prompts(n, 16, vocab, seed=200 + r), max_tokens=decode_steps,
+                               joining=random_prompts(1, JOINING_PROMPT, vocab, seed=300 + r)[0])
+                steps = engine.timeline.since(seen)
+                model.observe(steps)
+                seen = steps[-1].t + 1e-9 if steps else seen
+                bar.update()
+    report = model.report()
+    if len(report) < len(dataclasses.fields(EngineCosts)):
+        raise RuntimeError(f"too few steps to fit the engine's costs ({sorted(report)}): raise --rounds")
+    return EngineCosts(**report)
+
+
+async def measure_overhead(base_url: str, api_key: str | None, model: str | None, prompt: str, requests: int) -> float:
+    """Median TTFT of requests sent one at a time (the prompt's compute included)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession(base_url=base_url, headers=headers) as session:
+        if model is None:
+            async with session.get("/v1/models") as response:
+                response.raise_for_status()
+                model = (await response.json())["data"][0]["id"]
+        ttfts = []
+        for _ in range(requests):
+            result = await send(session, "/v1/completions", model, prompt, 2, True, OVERHEAD_PROMPT)
+            if not result.success:
+                raise RuntimeError(f"{base_url}: a request failed ({result.error}: {result.detail})")
+            ttfts.append(result.ttft)
+    return statistics.median(ttfts)
+
+
+def run_profile_bench(args) -> int:
+    args.local_model = args.local_model or str(builtin_model_path())
+    torch.set_num_threads(args.torch_threads)
+    print(f"loading {args.local_model} ({args.torch_threads} thread(s)) ...")
+    began = time.perf_counter()
+    engine = Engine(local_engine_config(args, num_threads=args.torch_threads))
+    run_engine(engine, random_prompts(1, 16, engine.loaded.arch.vocab_size, seed=1), max_tokens=4)  # warm-up
+    engine_start_s = time.perf_counter() - began
+    costs = measure_costs(engine, args.prompt_lens, args.batch_sizes, args.decode_steps, args.rounds)
+    overhead_s = 0.0
+    if args.base_url:
+        prompt = datasets.random_text(random.Random(0), load_tokenizer(args.local_model), OVERHEAD_PROMPT)
+        ttft = asyncio.run(measure_overhead(args.base_url, args.api_key, args.model, prompt, args.overhead_requests))
+        overhead_s = max(0.0, ttft - costs.prefill_s(OVERHEAD_PROMPT))
+    cluster = ClusterConfig(engine=engine.config)
+    profile = Profile(
+        prefill=costs, decode=costs,
+        decode_step_slowdown=cluster.decode_step_slowdown,
+        colocated_step_slowdown=engine.config.scheduler.max_step_slowdown,
+        colocated_min_prompt_chunk=engine.config.scheduler.min_prompt_chunk,
+        replica_start_s=args.replica_start_s if args.replica_start_s is not None else engine_start_s,
+        overhead_s=overhead_s,
+        source={**provenance(), "model": args.local_model, "threads": args.torch_threads,
+                "dtype": str(engine.loaded.dtype), "engine_start_s": engine_start_s},
+    )
+    profile.save(args.out)
+    print(f"decode step {1e3 * costs.decode_base_s:.1f} ms + {1e3 * costs.decode_per_seq_s:.2f} ms per request; "
+          f"prompt step {1e3 * costs.prompt_base_s:.1f} ms + {1e6 * costs.prompt_per_token_s:.0f} us per token "
+          f"(chunks of {costs.chunk_tokens}); engine start {engine_start_s:.1f} s; overhead {1e3 * overhead_s:.0f} ms")
+    print(f"wrote {args.out}")
+    return 0
