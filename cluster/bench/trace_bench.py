@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import threading
 import time
@@ -31,13 +32,15 @@ from cluster.bench.openai_client import RequestResult, send
 from cluster.bench.plots import plot_trace
 from cluster.bench.provenance import write_result
 from cluster.bench.sweep_compare import local_cluster, local_config, local_ray, local_target, summary_path
-from cluster.bench.trace_summary import summarize
+from cluster.bench.trace_summary import summarize, switches
 from cluster.config import APP_NAME, PlannerConfig
 from cluster.host.cpu_features import cpu_summary
+from cluster.kv.redis_client import connect_sync
 from cluster.launch import planner
 from cluster.launch.serve import on_this_machine
 from cluster.model.builtin import builtin_model_path
 from cluster.model.gguf_tokenizer import load_tokenizer
+from cluster.planner.policy import STATUS_KEY
 from cluster.planner.workload import TraceRequest, builtin_trace, load_trace
 from cluster.serving.routing import TIER_DEPLOYMENTS
 
@@ -45,10 +48,13 @@ SAMPLE_S = 2.0
 
 
 class ReplicaSampler:
-    """Serve's running replicas per tier, every SAMPLE_S, on a thread of its own."""
+    """Serve's running replicas per tier, every SAMPLE_S, on a thread of its own; with a
+    Redis URL also the SLO planner's targets (the replicas it asked for)."""
 
-    def __init__(self) -> None:
+    def __init__(self, redis_url: str | None = None) -> None:
         self.samples: list[tuple[float, int, int]] = []  # (seconds from start, prefill, decode)
+        self.targets: list[tuple[float, int, int]] = []  # (seconds from start, prefill, decode) asked for
+        self._redis = connect_sync(redis_url, socket_timeout=1.0) if redis_url else None
         self._stop = threading.Event()
         self._start = time.perf_counter()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -61,14 +67,17 @@ class ReplicaSampler:
                 counts = [deployments[TIER_DEPLOYMENTS[t]].replica_states.get("RUNNING", 0)
                           if TIER_DEPLOYMENTS[t] in deployments else 0 for t in ("prefill", "decode")]
                 self.samples.append((time.perf_counter() - self._start, *counts))
+                status = self._redis.get(STATUS_KEY.format(app=APP_NAME)) if self._redis else None
+                if status:
+                    asked = json.loads(status)["replicas"]
+                    self.targets.append((self.samples[-1][0], asked["prefill"], asked["decode"]))
             except Exception:  # noqa: BLE001 - a sample missed is a gap in the line, not a failed run
                 pass
             self._stop.wait(SAMPLE_S)
 
-    def stop(self) -> list[tuple[float, int, int]]:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        return self.samples
 
 
 async def replay(url: str, requests: list[TraceRequest], prompts: list[str], timeout_s: float) -> list[RequestResult]:
@@ -120,11 +129,15 @@ def run_trace_bench(args) -> int:
         for target in targets:
             cluster = planner_cluster(args) if target == "planner" else local_cluster(target, args)
             with cluster as url:
-                sampler = ReplicaSampler()
+                sampler = ReplicaSampler(args._redis.url if target == "planner" else None)
                 results = asyncio.run(replay(url, requests, prompts, args.request_timeout))
-                samples = sampler.stop()
+                sampler.stop()
             threads = 1 if target == "planner" else local_target(target).threads or args.torch_threads
-            out["targets"][target] = s = summarize(requests, results, phases, samples, args, threads)
+            out["targets"][target] = s = summarize(requests, results, phases, sampler.samples, args, threads)
+            if sampler.targets:
+                s["asked"], s["switches"] = sampler.targets, switches(sampler.targets, sampler.samples)
+                moves = [f"{w['to']} in {w['s']:.0f} s" if w["s"] is not None else f"{w['to']} superseded" for w in s["switches"]]
+                print(f"    switches: {', '.join(moves) or 'none'}")
             line = ", ".join(f"{name} {p['attainment']:.0%}" for name, p in s["phases"].items() if p["attainment"] is not None)
             print(f"{target}: attainment {s['attainment']:.1%} ({line}); {s['replica_seconds']:.0f} replica-seconds, "
                   f"{s['core_seconds']:.0f} core-seconds")

@@ -5,6 +5,8 @@
                (TPOT) <= --slo-itl-ms; attainment is the share that does, per phase and all
     cost       replica-seconds of both tiers, and core-seconds (replicas x their threads:
                what the budget counts; one 2-thread replica costs two cores)
+    switches   each split the planner asked for, and how long until that many replicas
+               ran (what a move costs: a replica's start, a drain)
 """
 
 from __future__ import annotations
@@ -57,3 +59,17 @@ def summarize(requests: list[TraceRequest], results: list[RequestResult], phases
         "requests": [{"t": req.t, "phase": req.phase, "ok": k, "success": res.success, "ttft_ms": res.ttft * 1e3,
                       "latency_ms": res.latency * 1e3} for req, res, k in zip(requests, results, ok)],
     }
+
+
+def switches(asked: list[tuple[float, int, int]], running: list[tuple[float, int, int]]) -> list[dict]:
+    """Each change of the split asked for: {"t", "to", "s"}, `s` the seconds until the
+    running replicas matched it (None: asked for another split first, or never)."""
+    out, last = [], None
+    for i, (t, p, d) in enumerate(asked):
+        if (p, d) == last:
+            continue
+        last = (p, d)
+        superseded = next((u for u, *split in asked[i:] if tuple(split) != (p, d)), float("inf"))
+        met = next((u for u, rp, rd in running if t <= u < superseded and (rp, rd) == (p, d)), None)
+        out.append({"t": t, "to": f"{p}P{d}D", "s": None if met is None else met - t})
+    return out

@@ -7,7 +7,7 @@ import pytest
 
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.plots import plot_trace
-from cluster.bench.trace_summary import meets, replica_seconds, summarize
+from cluster.bench.trace_summary import meets, replica_seconds, summarize, switches
 from cluster.planner.workload import BUILTIN, builtin_trace, load_trace
 
 
@@ -61,3 +61,14 @@ def test_the_summary_and_its_plot(tmp_path):
     result = {"cpu": "test", "slo_ttft_ms": 1000.0, "slo_itl_ms": 100.0, "phases": phases,
               "arrivals": [r.t for r in requests], "targets": {"1p1d@1": s}}
     assert plot_trace(result, tmp_path / "trace.png").stat().st_size > 10_000
+
+
+def test_a_switch_lasts_until_the_split_asked_for_runs_and_a_superseded_one_never_ends():
+    asked = [(0, 1, 1), (2, 0, 2), (4, 0, 2), (6, 0, 2), (8, 1, 1), (10, 0, 1), (12, 0, 1)]
+    running = [(0, 1, 1), (2, 1, 1), (4, 0, 1), (6, 0, 2), (8, 0, 2), (10, 0, 2), (12, 0, 1)]
+    assert switches(asked, running) == [
+        {"t": 0, "to": "1P1D", "s": 0},
+        {"t": 2, "to": "0P2D", "s": 4},  # the prefill replica stopped at once, the new decode one ran 4 s later
+        {"t": 8, "to": "1P1D", "s": None},  # asked for 0P1D before it ran
+        {"t": 10, "to": "0P1D", "s": 2},
+    ]
