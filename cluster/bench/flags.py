@@ -169,6 +169,7 @@ def add_trace_flags(p) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-itl-ms", type=float, default=60.0, help="a request's mean inter-token time (TPOT) target")
     p.add_argument("--planner-budget", type=int, default=2, help="cores the planner's tiers share (one per replica)")
+    p.add_argument("--planner-profile", default=None, help="a replica profile (pdserve bench profile) to seed the planner")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--result-dir", default="bench-results")

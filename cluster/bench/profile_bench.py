@@ -9,7 +9,8 @@ both). The steps are fitted by the same StepCostModel every replica runs online
 (cluster/planner/costs.py). The replica start is the engine's own (model load, KV cache,
 warm-up) unless --replica-start-s gives one measured on the cluster (Serve's process start
 comes on top). With --base-url, requests sent one at a time to that server measure what a
-request spends outside the engines (overhead_s: median TTFT minus the fitted prompt time).
+request spends outside the engines (overhead_s: its median TTFT there minus the same
+prompt's on the engine here).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ OVERHEAD_PROMPT = 32  # tokens of the requests that measure the overhead
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, joining: list[int] | None = None) -> None:
-    """Run `prompts` to their end; `joining` is added once they all decode."""
+    """Run `prompts` to their end, from an empty prefix cache (their compute, not hits);
+    `joining` is added halfway through their decoding (before it: decode-only steps)."""
+    engine.pool.reset_prefix_cache()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
@@ -50,7 +53,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, joinin
     while engine.has_unfinished:
         engine.step()
         steps += 1
-        if joining is not None and steps == 2:
+        if joining is not None and steps == 1 + max_tokens // 2:
             engine.add_request(joining, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
 
 
@@ -61,14 +64,15 @@ def measure_costs(engine: Engine, prompt_lens: list[int], batch_sizes: list[int]
     vocab = engine.loaded.arch.vocab_size
     work = [("prompt", n) for n in prompt_lens] + [("batch", b) for b in batch_sizes]
     seen = time.time()
+    seeds = iter(range(100, 10**6))  # every prompt its own
     with tqdm(total=len(work) * rounds, desc="profiling the engine's steps", unit="run") as bar:
-        for r in range(rounds):
+        for _ in range(rounds):
             for kind, n in work:
                 if kind == "prompt":
-                    run_engine(engine, random_prompts(1, n, vocab, seed=100 + r), max_tokens=1)
+                    run_engine(engine, random_prompts(1, n, vocab, seed=next(seeds)), max_tokens=1)
                 else:
-                    run_engine(engine, random_prompts(n, 16, vocab, seed=200 + r), max_tokens=decode_steps,
-                               joining=random_prompts(1, JOINING_PROMPT, vocab, seed=300 + r)[0])
+                    run_engine(engine, random_prompts(n, 16, vocab, seed=next(seeds)), max_tokens=decode_steps,
+                               joining=random_prompts(1, JOINING_PROMPT, vocab, seed=next(seeds))[0])
                 steps = engine.timeline.since(seen)
                 model.observe(steps)
                 seen = steps[-1].t + 1e-9 if steps else seen
@@ -76,11 +80,22 @@ def measure_costs(engine: Engine, prompt_lens: list[int], batch_sizes: list[int]
     report = model.report()
     if len(report) < len(dataclasses.fields(EngineCosts)):
         raise RuntimeError(f"too few steps to fit the engine's costs ({sorted(report)}): raise --rounds")
-    return EngineCosts(**report)
+    return EngineCosts(**{**report, "chunk_tokens": int(report["chunk_tokens"])})
 
 
-async def measure_overhead(base_url: str, api_key: str | None, model: str | None, prompt: str, requests: int) -> float:
-    """Median TTFT of requests sent one at a time (the prompt's compute included)."""
+def engine_ttft(engine: Engine, prompts: list[list[int]]) -> float:
+    """Median time to a prompt's first token on the engine alone (its compute, no edge)."""
+    times = []
+    for prompt in prompts:
+        began = time.perf_counter()
+        run_engine(engine, [prompt], max_tokens=1)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+async def served_ttft(base_url: str, api_key: str | None, model: str | None, prompts: list[str]) -> float:
+    """Median TTFT of requests sent one at a time (the prompt's compute included; each its
+    own prompt: no prefix-cache hit)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession(base_url=base_url, headers=headers) as session:
         if model is None:
@@ -88,7 +103,7 @@ async def measure_overhead(base_url: str, api_key: str | None, model: str | None
                 response.raise_for_status()
                 model = (await response.json())["data"][0]["id"]
         ttfts = []
-        for _ in range(requests):
+        for prompt in prompts:
             result = await send(session, "/v1/completions", model, prompt, 2, True, OVERHEAD_PROMPT)
             if not result.success:
                 raise RuntimeError(f"{base_url}: a request failed ({result.error}: {result.detail})")
@@ -106,10 +121,12 @@ def run_profile_bench(args) -> int:
     engine_start_s = time.perf_counter() - began
     costs = measure_costs(engine, args.prompt_lens, args.batch_sizes, args.decode_steps, args.rounds)
     overhead_s = 0.0
-    if args.base_url:
-        prompt = datasets.random_text(random.Random(0), load_tokenizer(args.local_model), OVERHEAD_PROMPT)
-        ttft = asyncio.run(measure_overhead(args.base_url, args.api_key, args.model, prompt, args.overhead_requests))
-        overhead_s = max(0.0, ttft - costs.prefill_s(OVERHEAD_PROMPT))
+    if args.base_url:  # the same prompts served and on the engine alone
+        tokenizer, rng = load_tokenizer(args.local_model), random.Random(time.time_ns())
+        prompts = [datasets.random_text(rng, tokenizer, OVERHEAD_PROMPT) for _ in range(args.overhead_requests)]
+        served = asyncio.run(served_ttft(args.base_url, args.api_key, args.model, prompts))
+        alone = engine_ttft(engine, [tokenizer.encode(p, add_special_tokens=False) for p in prompts])
+        overhead_s = max(0.0, served - alone)
     cluster = ClusterConfig(engine=engine.config)
     profile = Profile(
         prefill=costs, decode=costs,

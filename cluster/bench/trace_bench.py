@@ -104,7 +104,7 @@ def planner_cluster(args):
     tier = dataclasses.replace(config.decode, num_cpus=1.0)
     config = dataclasses.replace(config, prefill=tier, decode=tier, planner=PlannerConfig(
         mode="slo", ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, max_decode=args.planner_budget,
-        max_prefill=args.planner_budget - 1, budget=args.planner_budget))
+        max_prefill=args.planner_budget - 1, budget=args.planner_budget, profile=args.planner_profile))
     planner.deploy(on_this_machine(planner.planned(config)), local=True)
     try:
         yield f"http://127.0.0.1:{args._http_port}"

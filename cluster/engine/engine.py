@@ -312,14 +312,18 @@ class Engine:
         request_ids, logits = self.runner.execute(sched)
         rows = self._sample_inputs(request_ids)
         sampled = dict(zip(request_ids, self.sampler(logits, rows)))
-        num_decode = sum(1 for c in sched.chunks if len(c.token_ids) == 1 and c.sample)
+        decoding = [len(c.token_ids) == 1 and c.sample for c in sched.chunks]
+        num_decode = sum(decoding)
         seconds = time.perf_counter() - start
         self.step_budget.observe(num_decode, sched.total_tokens - num_decode, seconds)
         self.step_times.observe(num_decode, sched.total_tokens - num_decode, seconds)
         updates = self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
         outputs = [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
         outputs += self._kv_progress(sched)
-        self.timeline.end(began, num_decode, sched.total_tokens - num_decode, still_running=bool(self.scheduler.running))
+        prompt_context = sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2)
+                             for c, decode in zip(sched.chunks, decoding) if not decode)
+        self.timeline.end(began, num_decode, sched.total_tokens - num_decode, still_running=bool(self.scheduler.running),
+                          prompt_context=prompt_context)
         return outputs
 
     def _kv_progress(self, sched: SchedulerOutput) -> list[RequestOutput]:

@@ -10,6 +10,8 @@ where a slow inter-token gap comes from (`pdserve bench protect` reads the decod
                 calls, handing out outputs); idle waits are not counted (0)
     decode      tokens of requests past their prompt (one each)
     prompt      prompt tokens (chunks: the step's prompt work)
+    prompt_context  over its prompt chunks, tokens x their mean position: what attention
+                adds to a chunk grows with how much of its prompt came before
 
 Records are kept in a ring of MAX_STEPS (the last minutes of a busy engine) and read
 between steps (Engine.timeline, on the engine thread); recording costs two clock reads.
@@ -31,6 +33,7 @@ class StepRecord(NamedTuple):
     between_s: float
     decode: int
     prompt: int
+    prompt_context: float = 0.0
 
 
 class StepTimeline:
@@ -42,13 +45,15 @@ class StepTimeline:
         """Clocks at the start of a step (pass to `end`)."""
         return time.time(), time.perf_counter(), time.thread_time()
 
-    def end(self, began: tuple[float, float, float], decode: int, prompt: int, still_running: bool) -> None:
+    def end(self, began: tuple[float, float, float], decode: int, prompt: int, still_running: bool,
+            prompt_context: float = 0.0) -> None:
         """Record the step begun at `began`; `still_running`: requests remain in the batch (so
         the gap to the next step is the engine thread's work, not an idle wait)."""
         wall, start, cpu = began
         now = time.perf_counter()
         between = start - self._last_end if self._last_end is not None else 0.0
-        self._steps.append(StepRecord(wall, now - start, time.thread_time() - cpu, between, decode, prompt))
+        self._steps.append(StepRecord(wall, now - start, time.thread_time() - cpu, between, decode, prompt,
+                                      prompt_context))
         self._last_end = now if still_running else None
 
     def since(self, t: float) -> list[StepRecord]:

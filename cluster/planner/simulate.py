@@ -3,7 +3,7 @@ simulated clock) or a fixed split, serving a workload on replicas whose steps co
 profile says (cluster/planner/profile.py). `pdserve plan --simulate` runs it.
 
     prefill replica   prompts first come first served, in steps of at most chunk_tokens
-                      prompt tokens, each prompt_base + prompt_per_token x tokens; a
+                      prompt tokens, each costing what EngineCosts.chunk_s says; a
                       prompt's first token at the end of its last chunk (+ overhead_s), its
                       KV in at a decode replica handoff_s later
     decode replica    continuous batching: a step of n running requests takes
@@ -259,20 +259,22 @@ class Replica:
         """Take the step's work and schedule its end (which clears `busy` and kicks)."""
         raise NotImplementedError
 
-    def _prompt_chunk(self, prompts: deque[SimRequest], budget: int) -> tuple[int, list[SimRequest]]:
-        """Take up to `budget` prompt tokens, first come first served: (tokens, prompts done)."""
-        tokens, done = 0, []
+    def _prompt_chunk(self, prompts: deque[SimRequest], budget: int) -> tuple[int, float, list[SimRequest]]:
+        """Take up to `budget` prompt tokens, first come first served: (tokens, tokens x their
+        mean position, prompts done)."""
+        tokens, context, done = 0, 0.0, []
         for request in prompts:
             take = min(request.prompt_left, budget - tokens)
             if take <= 0:
                 break
+            context += take * (request.prompt_len - request.prompt_left + take / 2)
             request.prompt_left -= take
             tokens += take
             if not request.prompt_left:
                 done.append(request)
         for _ in done:
             prompts.popleft()
-        return tokens, done
+        return tokens, context, done
 
 
 class PrefillReplica(Replica):
@@ -294,7 +296,7 @@ class PrefillReplica(Replica):
 
     def _step(self) -> None:
         start = self.sim.now
-        tokens, done = self._prompt_chunk(self.prompts, self.costs.chunk_tokens)
+        tokens, context, done = self._prompt_chunk(self.prompts, self.costs.chunk_tokens)
 
         def end() -> None:
             for request in done:
@@ -302,7 +304,7 @@ class PrefillReplica(Replica):
             self.busy = False
             self.kick()
 
-        self.sim.at(start + self.costs.prompt_base_s + self.costs.prompt_per_token_s * tokens, end)
+        self.sim.at(start + self.costs.chunk_s(tokens, context), end)
 
 
 class DecodeReplica(Replica):
@@ -343,8 +345,8 @@ class DecodeReplica(Replica):
             if n and slowdown > 1 and costs.prompt_per_token_s > 0:
                 allowed = int((slowdown - 1) * decode_step / costs.prompt_per_token_s)
                 budget = max(floor, min(budget, allowed))
-            tokens, done = self._prompt_chunk(self.prompts, budget)
-            step = costs.prompt_base_s + costs.prompt_per_token_s * tokens + costs.decode_per_seq_s * n
+            tokens, context, done = self._prompt_chunk(self.prompts, budget)
+            step = costs.chunk_s(tokens, context, running=n)
         else:
             step = decode_step
             # Steps at once until one of the batch ends or something may join it: an arrival, or

@@ -31,7 +31,7 @@ class Phase:
 # questions, long answers) in bursts, then quiet: each wants another split.
 BUILTIN = (
     Phase("chat", 1.0, 0.5, 256, 64),
-    Phase("long prompts", 1.0, 0.12, 1536, 16),
+    Phase("long prompts", 1.0, 0.2, 768, 16),
     Phase("long answers", 1.0, 0.3, 48, 256, burstiness=0.5),
     Phase("quiet", 1.0, 0.05, 256, 64),
 )

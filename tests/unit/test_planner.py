@@ -319,3 +319,21 @@ def test_a_tier_that_must_grow_grows_at_once_and_the_other_shrinks_when_it_laste
         assert splits == [(1, 1)] + [(1, 2)] * 5 + [(0, 2)] * 2  # decode at once; prefill gone 30 s after the first choice
     else:
         assert splits == [(1, 1)] + [(0, 2)] * 7  # no core for a second decode replica beside the prefill one
+
+
+def test_the_fit_learns_what_attention_adds_to_long_prompts_and_a_prompt_s_cost_is_its_chunks():
+    rng = random.Random(3)
+    records = []
+    for i in range(300):  # chunks of 16-512 tokens at 0-3k positions, beside 0-8 decodes
+        tokens, start, decodes = rng.randint(16, 512), rng.randint(0, 3000), rng.randint(0, 8)
+        context = tokens * (start + tokens / 2)
+        step = 0.01 + 0.002 * tokens + 1e-6 * context + 0.001 * decodes
+        records.append(StepRecord(float(i), step, step, 0.0, decodes, tokens, context))
+    model = StepCostModel(chunk_tokens=512)
+    model.observe(records)
+    costs = EngineCosts(**{**model.report(), "decode_base_s": 0.02, "decode_per_seq_s": 0.001})
+    assert costs.prompt_attention_s == pytest.approx(1e-6, rel=0.01) and costs.prompt_per_token_s == pytest.approx(0.002, rel=0.01)
+    # A 1500-token prompt in chunks of 512, 512 and 476: the sum of its steps.
+    chunks = [(0, 512), (512, 512), (1024, 476)]
+    assert costs.prefill_s(1500) == pytest.approx(sum(costs.chunk_s(n, n * (s + n / 2)) for s, n in chunks))
+    assert costs.prefill_s(1500) > 3 * costs.prefill_s(500)  # longer prompts cost more per token
