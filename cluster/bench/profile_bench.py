@@ -9,8 +9,10 @@ both). The steps are fitted by the same StepCostModel every replica runs online
 (cluster/planner/costs.py). The replica start is the engine's own (model load, KV cache,
 warm-up) unless --replica-start-s gives one measured on the cluster (Serve's process start
 comes on top). With --base-url, requests sent one at a time to that server measure what a
-request spends outside the engines (overhead_s: its median TTFT there minus the same
-prompt's on the engine here).
+request spends outside the engines: overhead_s, its median TTFT there minus the same
+prompt's on the engine here, and what a served step adds to the engine's (the worker's
+loop, the delta channel, the processes beside it): its median token gap there minus the
+fitted step of one request, added to both step bases.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from cluster.planner.costs import EngineCosts, StepCostModel
 from cluster.planner.profile import Profile
 
 JOINING_PROMPT = 256  # tokens of the prompt that joins each decoding batch
-OVERHEAD_PROMPT = 32  # tokens of the requests that measure the overhead
+OVERHEAD_PROMPT = 32  # tokens of the requests that measure the overhead ...
+OVERHEAD_OUTPUT = 16  # ... and their answers' (their token gaps: a served step)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, joining: list[int] | None = None) -> None:
@@ -93,22 +96,23 @@ def engine_ttft(engine: Engine, prompts: list[list[int]]) -> float:
     return statistics.median(times)
 
 
-async def served_ttft(base_url: str, api_key: str | None, model: str | None, prompts: list[str]) -> float:
-    """Median TTFT of requests sent one at a time (the prompt's compute included; each its
-    own prompt: no prefix-cache hit)."""
+async def served_timing(base_url: str, api_key: str | None, model: str | None, prompts: list[str]) -> tuple[float, float]:
+    """Median TTFT and token gap of requests sent one at a time (the prompt's compute
+    included; each its own prompt: no prefix-cache hit)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession(base_url=base_url, headers=headers) as session:
         if model is None:
             async with session.get("/v1/models") as response:
                 response.raise_for_status()
                 model = (await response.json())["data"][0]["id"]
-        ttfts = []
+        ttfts, gaps = [], []
         for prompt in prompts:
-            result = await send(session, "/v1/completions", model, prompt, 2, True, OVERHEAD_PROMPT)
+            result = await send(session, "/v1/completions", model, prompt, OVERHEAD_OUTPUT, True, OVERHEAD_PROMPT)
             if not result.success:
                 raise RuntimeError(f"{base_url}: a request failed ({result.error}: {result.detail})")
             ttfts.append(result.ttft)
-    return statistics.median(ttfts)
+            gaps.append((result.latency - result.ttft) / (OVERHEAD_OUTPUT - 1))
+    return statistics.median(ttfts), statistics.median(gaps)
 
 
 def run_profile_bench(args) -> int:
@@ -120,13 +124,16 @@ def run_profile_bench(args) -> int:
     run_engine(engine, random_prompts(1, 16, engine.loaded.arch.vocab_size, seed=1), max_tokens=4)  # warm-up
     engine_start_s = time.perf_counter() - began
     costs = measure_costs(engine, args.prompt_lens, args.batch_sizes, args.decode_steps, args.rounds)
-    overhead_s = 0.0
+    overhead_s = step_overhead_s = 0.0
     if args.base_url:  # the same prompts served and on the engine alone
         tokenizer, rng = load_tokenizer(args.local_model), random.Random(time.time_ns())
         prompts = [datasets.random_text(rng, tokenizer, OVERHEAD_PROMPT) for _ in range(args.overhead_requests)]
-        served = asyncio.run(served_ttft(args.base_url, args.api_key, args.model, prompts))
+        served, gap = asyncio.run(served_timing(args.base_url, args.api_key, args.model, prompts))
         alone = engine_ttft(engine, [tokenizer.encode(p, add_special_tokens=False) for p in prompts])
         overhead_s = max(0.0, served - alone)
+        step_overhead_s = max(0.0, gap - costs.decode_step_s(1))
+        costs = dataclasses.replace(costs, decode_base_s=costs.decode_base_s + step_overhead_s,
+                                    prompt_base_s=costs.prompt_base_s + step_overhead_s)
     cluster = ClusterConfig(engine=engine.config)
     profile = Profile(
         prefill=costs, decode=costs,
@@ -136,11 +143,13 @@ def run_profile_bench(args) -> int:
         replica_start_s=args.replica_start_s if args.replica_start_s is not None else engine_start_s,
         overhead_s=overhead_s,
         source={**provenance(), "model": args.local_model, "threads": args.torch_threads,
-                "dtype": str(engine.loaded.dtype), "engine_start_s": engine_start_s},
+                "dtype": str(engine.loaded.dtype), "engine_start_s": engine_start_s,
+                "served_step_overhead_s": step_overhead_s},
     )
     profile.save(args.out)
     print(f"decode step {1e3 * costs.decode_base_s:.1f} ms + {1e3 * costs.decode_per_seq_s:.2f} ms per request; "
           f"prompt step {1e3 * costs.prompt_base_s:.1f} ms + {1e6 * costs.prompt_per_token_s:.0f} us per token "
-          f"(chunks of {costs.chunk_tokens}); engine start {engine_start_s:.1f} s; overhead {1e3 * overhead_s:.0f} ms")
+          f"(chunks of {costs.chunk_tokens}); engine start {engine_start_s:.1f} s; a served request's overhead "
+          f"{1e3 * overhead_s:.0f} ms and its step's {1e3 * step_overhead_s:.1f} ms")
     print(f"wrote {args.out}")
     return 0

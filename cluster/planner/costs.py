@@ -1,13 +1,15 @@
 """What an engine's steps cost, fitted online from its own step timeline (no offline profile).
 
-    decode-only step   step_s = decode_base + decode_per_seq * running
-    step with prompts  step_s = prompt_base + prompt_per_token * prompt_tokens
-                                + prompt_attention * prompt_context + decode_per_seq * running
+    decode-only step   t = decode_base + decode_per_seq * running
+    step with prompts  t = prompt_base + prompt_per_token * prompt_tokens
+                           + prompt_attention * prompt_context + decode_per_seq * running
 
-(prompt_context: over the step's prompt chunks, tokens x their mean position. A prompt of
-L tokens has L^2 / 2 of it in all, whatever its chunks: attention makes a prompt's cost
-grow faster than its length, on this CPU's fp32 engine 2.7 ms a token at the start, 4.9
-ms at 1-2k.)
+prompt_context: over the step's prompt chunks, tokens x their mean position. A prompt of
+L tokens has L^2 / 2 of it in all, whatever its chunks: attention makes a prompt cost more
+than its length says (the built-in model on one Zen 4 core: 2.7 ms a token at the start
+of a prompt, 4.9 ms at 1-2k). t is the step's whole iteration: the step and the engine
+thread's work before it while requests ran (StepRecord.between_s: outputs handed out,
+requests added), which every token gap holds too.
 
 Each replica fits its engine (`StepCostModel.observe`, from `Engine.timeline`) and reports
 the coefficients through Serve's autoscaling metrics; the planner combines a tier's
@@ -129,9 +131,9 @@ class StepCostModel:
         decode_rows, prompt_rows = [], []
         for s in steps:
             if s.prompt:
-                prompt_rows.append((1.0, s.prompt, s.prompt_context / CONTEXT_SCALE, s.decode, s.step_s))
+                prompt_rows.append((1.0, s.prompt, s.prompt_context / CONTEXT_SCALE, s.decode, s.step_s + s.between_s))
             elif s.decode:
-                decode_rows.append((1.0, s.decode, s.step_s))
+                decode_rows.append((1.0, s.decode, s.step_s + s.between_s))
         if decode_rows:
             d = np.array(decode_rows)
             self.decode.add(d[:, :2], d[:, 2])

@@ -85,4 +85,5 @@ def test_bench_profile_measures_an_engine_and_a_served_request_s_overhead_for_pl
     assert costs.decode_base_s > 0 and costs.prompt_per_token_s > 0 and costs.chunk_tokens == 2048
     assert profile.prefill == profile.decode  # one engine measured for both tiers
     assert profile.overhead_s > 0 and profile.replica_start_s > 0 and profile.source["cpu"]
+    assert profile.source["served_step_overhead_s"] >= 0
     assert main(["plan", "--profile", str(out), "--rate", "1", "--prompt-len", "32", "--output-len", "8"]) == 0

@@ -337,3 +337,7 @@ def test_the_fit_learns_what_attention_adds_to_long_prompts_and_a_prompt_s_cost_
     chunks = [(0, 512), (512, 512), (1024, 476)]
     assert costs.prefill_s(1500) == pytest.approx(sum(costs.chunk_s(n, n * (s + n / 2)) for s, n in chunks))
     assert costs.prefill_s(1500) > 3 * costs.prefill_s(500)  # longer prompts cost more per token
+    # The engine thread's work between steps (while requests ran) is part of each iteration.
+    busier = StepCostModel(chunk_tokens=512)
+    busier.observe([r._replace(between_s=0.005) for r in records])
+    assert busier.report()["prompt_base_s"] == pytest.approx(0.015, rel=0.01)
