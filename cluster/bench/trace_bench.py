@@ -32,7 +32,7 @@ from cluster.bench.openai_client import RequestResult, send
 from cluster.bench.plots import plot_trace
 from cluster.bench.provenance import write_result
 from cluster.bench.sweep_compare import local_cluster, local_config, local_ray, local_target, summary_path
-from cluster.bench.trace_summary import summarize, switches
+from cluster.bench.trace_summary import predicted_over_observed, summarize, switches
 from cluster.config import APP_NAME, PlannerConfig
 from cluster.host.cpu_features import cpu_summary
 from cluster.kv.redis_client import connect_sync
@@ -45,15 +45,18 @@ from cluster.planner.workload import TraceRequest, builtin_trace, load_trace
 from cluster.serving.routing import TIER_DEPLOYMENTS
 
 SAMPLE_S = 2.0
+PLANNER_FIGURES = ("predicted_ttft_s", "observed_ttft_s", "predicted_itl_s", "observed_itl_s")
 
 
 class ReplicaSampler:
     """Serve's running replicas per tier, every SAMPLE_S, on a thread of its own; with a
-    Redis URL also the SLO planner's targets (the replicas it asked for)."""
+    Redis URL also the SLO planner's targets (the replicas it asked for) and its predicted and
+    observed mean TTFT and ITL."""
 
     def __init__(self, redis_url: str | None = None) -> None:
         self.samples: list[tuple[float, int, int]] = []  # (seconds from start, prefill, decode)
         self.targets: list[tuple[float, int, int]] = []  # (seconds from start, prefill, decode) asked for
+        self.figures: list[dict] = []  # {"t", "predicted_ttft_s", "observed_ttft_s", ...} as the planner published them
         self._redis = connect_sync(redis_url, socket_timeout=1.0) if redis_url else None
         self._stop = threading.Event()
         self._start = time.perf_counter()
@@ -69,8 +72,10 @@ class ReplicaSampler:
                 self.samples.append((time.perf_counter() - self._start, *counts))
                 status = self._redis.get(STATUS_KEY.format(app=APP_NAME)) if self._redis else None
                 if status:
-                    asked = json.loads(status)["replicas"]
+                    status = json.loads(status)
+                    asked = status["replicas"]
                     self.targets.append((self.samples[-1][0], asked["prefill"], asked["decode"]))
+                    self.figures.append({"t": self.samples[-1][0], **{k: status.get(k) for k in PLANNER_FIGURES}})
             except Exception:  # noqa: BLE001 - a sample missed is a gap in the line, not a failed run
                 pass
             self._stop.wait(SAMPLE_S)
@@ -136,6 +141,8 @@ def run_trace_bench(args) -> int:
             out["targets"][target] = s = summarize(requests, results, phases, sampler.samples, args, threads)
             if sampler.targets:
                 s["asked"], s["switches"] = sampler.targets, switches(sampler.targets, sampler.samples)
+                s["planner_figures"] = sampler.figures
+                s["predicted_over_observed"] = predicted_over_observed(sampler.figures, phases)
                 moves = [f"{w['to']} in {w['s']:.0f} s" if w["s"] is not None else f"{w['to']} superseded" for w in s["switches"]]
                 print(f"    switches: {', '.join(moves) or 'none'}")
             line = ", ".join(f"{name} {p['attainment']:.0%}" for name, p in s["phases"].items() if p["attainment"] is not None)

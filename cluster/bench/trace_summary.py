@@ -7,6 +7,8 @@
                what the budget counts; one 2-thread replica costs two cores)
     switches   each split the planner asked for, and how long until that many replicas
                ran (what a move costs: a replica's start, a drain)
+    model      the planner's predicted over observed mean TTFT and ITL, median over each
+               phase's second half (its steady part)
 """
 
 from __future__ import annotations
@@ -72,4 +74,18 @@ def switches(asked: list[tuple[float, int, int]], running: list[tuple[float, int
         superseded = next((u for u, *split in asked[i:] if tuple(split) != (p, d)), float("inf"))
         met = next((u for u, rp, rd in running if t <= u < superseded and (rp, rd) == (p, d)), None)
         out.append({"t": t, "to": f"{p}P{d}D", "s": None if met is None else met - t})
+    return out
+
+
+def predicted_over_observed(figures: list[dict], phases) -> dict:
+    """Per phase: the median of predicted / observed TTFT and ITL over the phase's second
+    half, from the planner's published figures (None where it published none)."""
+    out = {}
+    for name, start, end in phases:
+        steady = [f for f in figures if (start + end) / 2 <= f["t"] < end]
+        out[name] = {}
+        for slo in ("ttft", "itl"):
+            ratios = [f[f"predicted_{slo}_s"] / f[f"observed_{slo}_s"] for f in steady
+                      if f.get(f"predicted_{slo}_s") and f.get(f"observed_{slo}_s")]
+            out[name][slo] = float(np.median(ratios)) if ratios else None
     return out

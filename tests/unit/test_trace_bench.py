@@ -7,7 +7,7 @@ import pytest
 
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.plots import plot_trace
-from cluster.bench.trace_summary import meets, replica_seconds, summarize, switches
+from cluster.bench.trace_summary import meets, predicted_over_observed, replica_seconds, summarize, switches
 from cluster.planner.workload import BUILTIN, builtin_trace, load_trace
 
 
@@ -72,3 +72,10 @@ def test_a_switch_lasts_until_the_split_asked_for_runs_and_a_superseded_one_neve
         {"t": 8, "to": "1P1D", "s": None},  # asked for 0P1D before it ran
         {"t": 10, "to": "0P1D", "s": 2},
     ]
+
+
+def test_the_planner_s_predictions_are_compared_with_what_it_observed_over_each_phase_s_steady_half():
+    figures = [{"t": t, "predicted_ttft_s": 1.0, "observed_ttft_s": 1.0 if t >= 50 else 4.0,
+                "predicted_itl_s": 0.05, "observed_itl_s": None} for t in range(0, 200, 2)]
+    ratios = predicted_over_observed(figures, [("a", 0.0, 100.0), ("b", 100.0, 200.0)])
+    assert ratios == {"a": {"ttft": 1.0, "itl": None}, "b": {"ttft": 1.0, "itl": None}}  # (a's first half: not steady)
