@@ -33,6 +33,7 @@ from collections import defaultdict
 from cluster.kv.redis_client import connect_sync
 from cluster.planner.costs import EngineCosts
 from cluster.planner.forecast import LoadForecast
+from cluster.planner.load import WINDOW_S
 from cluster.planner.sizing import Bounds, Load, Prediction, Slo, Split, choose, predict
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ STATUS_KEY = "pdserve:planner:{app}"
 STATUS_TTL_S = 120  # a planner that stopped publishing (its controller gone) fades from /metrics
 CALIBRATION_ALPHA = 0.3
 CALIBRATION_RANGE = (0.25, 4.0)  # observed / predicted: beyond this the model, not the factor, is wrong
+LITTLE_MIN_ARRIVALS = 20  # in a load window, for Little's law on the requests held (a count's noise ~ 1/sqrt)
 
 
 class Calibration:
@@ -215,14 +217,15 @@ def _observed(reports: dict[str, list[dict]]) -> tuple[Load | None, float | None
     if rate <= 0:  # no arrival: idle once nothing runs either (else wait: the running ones hold their replicas)
         return (Load(0.0, 0.0, 0.0) if not any(r.get("running_requests", 0.0) for r in decode) else None), None, None
     # Answers' length: the mean of those that ended, or more if the running ones already
-    # have more, or if Little's law says so: N requests held at a rate r, each a TTFT and then
-    # (output - 1) gaps of ITL, hold N = r (TTFT + (output - 1) ITL). The last two see a
-    # phase of longer answers at once; the first only once they end.
+    # have more, or, with arrivals enough to count on, if Little's law says so: N requests
+    # held at a rate r, each a TTFT and (output - 1) gaps of ITL, hold N = r (TTFT + (output
+    # - 1) ITL). The last two see a phase of longer answers at once, the first only once
+    # they end. (At a few arrivals a window, N and r swing the third by hundreds of tokens.)
     ttft, itl = _weighted(decode, "ttft_s"), _weighted(decode, "itl_s")
     lengths = [x for x in (_weighted(decode, "output_tokens_per_request"),
                            _weighted(decode, "running_output_tokens_per_request")) if x is not None]
     held = sum(r.get("running_requests", 0.0) for r in decode)
-    if ttft is not None and itl:
+    if ttft is not None and itl and rate * WINDOW_S >= LITTLE_MIN_ARRIVALS:
         lengths.append((held / rate - ttft) / itl + 1)
     if not lengths:  # requests, none with a token yet: their lengths are not known
         return None, None, None

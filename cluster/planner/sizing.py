@@ -14,7 +14,9 @@ replica), as colocated engines do. Per replica, for a load of `rate` requests/s 
     colocated      the same engine also computes prompts, a share u = rate * S / D of its
                    time: decode steps get 1 - u of it (ITL = step(N) / (1 - u)), and a
                    prompt beside running decodes gets (s - 1) / s of each step (the step
-                   budget's slowdown s), so it computes s / (s - 1) times slower
+                   budget's slowdown s), so it computes s / (s - 1) times slower while any
+                   request decodes there: a share 1 - exp(-N) of the time (N decoding on
+                   average, arriving at random); alone it takes whole steps
 
 These are means of a steady state; the planner scales them by what it observes
 (`Calibration`), so that the model need only rank the splits right.
@@ -100,7 +102,8 @@ def predict(split: Split, load: Load, prefill: EngineCosts, decode: EngineCosts,
     service = decode.prefill_s(load.prompt_tokens)
     prompt_share = rate * service / split.decode
     itl = decode_itl(decode_tokens, decode, share=1.0 - prompt_share)
-    stretch = step_slowdown / (step_slowdown - 1) if decode_tokens > 0 and step_slowdown > 1 else 1.0
+    beside = 1.0 - math.exp(-decode_tokens * itl) if math.isfinite(itl) else 1.0  # some request decodes
+    stretch = 1.0 + beside * (step_slowdown / (step_slowdown - 1) - 1.0) if step_slowdown > 1 else 1.0
     stretched = service * stretch
     ttft = stretched + md1_wait(rate * stretched / split.decode, stretched)
     return Prediction(ttft, itl)

@@ -18,7 +18,7 @@ from cluster.planner.costs import MIN_SAMPLES, DecayingFit, EngineCosts, StepCos
 from cluster.planner.forecast import LoadForecast
 from cluster.planner.load import LoadMeter
 from cluster.planner.policy import SloPlanner
-from cluster.planner.sizing import INF, Bounds, Load, Prediction, Slo, Split, choose, predict
+from cluster.planner.sizing import INF, Bounds, Load, Prediction, Slo, Split, choose, md1_wait, predict
 from router.metrics import GatewayMetrics
 from router.planner_status import PlannerStatus
 
@@ -341,3 +341,11 @@ def test_the_fit_learns_what_attention_adds_to_long_prompts_and_a_prompt_s_cost_
     busier = StepCostModel(chunk_tokens=512)
     busier.observe([r._replace(between_s=0.005) for r in records])
     assert busier.report()["prompt_base_s"] == pytest.approx(0.015, rel=0.01)
+
+
+def test_a_colocated_prompt_is_slowed_by_decode_protection_only_while_requests_decode():
+    sparse = predict(Split(0, 1), Load(0.05, 500, 2), COSTS, COSTS, step_slowdown=1.2)  # one token each: nothing decodes
+    busy = predict(Split(0, 1), Load(0.05, 500, 400), COSTS, COSTS, step_slowdown=1.2)  # long answers decode throughout
+    alone = COSTS.prefill_s(500)
+    assert sparse.ttft_s < 1.1 * (alone + md1_wait(0.05 * alone, alone))
+    assert busy.ttft_s > 2 * sparse.ttft_s  # beside decodes a step gives the prompt a sixth of it
