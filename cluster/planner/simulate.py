@@ -147,6 +147,7 @@ class Simulation:
         request.decode.meter.generated(1)
         request.tokens_left = request.output_len - 1
         if request.tokens_left <= 0:
+            request.decode.coming -= not kv_local  # (it will not join: done at its first token)
             self.finish(request, t)
         elif kv_local:
             request.decode.join(request)

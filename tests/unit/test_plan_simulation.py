@@ -138,3 +138,10 @@ def test_a_bad_profile_is_one_line_and_a_profile_seeds_the_planner(tmp_path, cap
                                                               budget=2), tiers={"prefill": "P", "decode": "D"},
                          step_slowdown=1.2, seed_costs=profile().costs())
     assert planner._known_costs["decode"] == COSTS
+
+
+def test_a_one_token_answer_leaves_its_decode_replica_expecting_nothing():
+    sim = Simulation(profile(), [TraceRequest(0.0, "p", 10, 1), TraceRequest(0.5, "p", 10, 3)], Split(1, 1))
+    sim.run()
+    (decode,) = sim.replicas["decode"]
+    assert decode.coming == 0 and decode.held == 0  # (else its steps would wait on every event of the cluster)
