@@ -321,7 +321,7 @@ class Engine:
         outputs = [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
         outputs += self._kv_progress(sched)
         prompt_context = sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2)
-                             for c, decode in zip(sched.chunks, decoding) if not decode)
+                             for c, decode in zip(sched.chunks, decoding) if not decode) if sched.total_tokens > num_decode else 0.0
         self.timeline.end(began, num_decode, sched.total_tokens - num_decode, still_running=bool(self.scheduler.running),
                           prompt_context=prompt_context)
         return outputs
