@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from cluster.config import EngineConfig, TransportConfig
 from cluster.engine.outputs import RequestOutput
 from cluster.errors import EngineDeadError, KVCacheFullError, TransferFailedError
+from cluster.host import engine_cores
 from cluster.kv.transport.interface import KVTransferError
 from cluster.serving import tracing
 from cluster.serving.delta_channel import DeltaSender
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT_S = 60.0
 RECEIVER_THREADS = 32  # receives wait on peers; a stalled one must not queue the others
+RECEIVER_NAME = "kv-recv"  # their threads' name (on every core: cluster/host/engine_cores.py)
 PREFILL_ATTEMPTS = 3  # kv_failure_policy=retry: prefill replicas asked before computing here
 PREFILL_RETRY_BACKOFF_S = 0.2
 
@@ -80,7 +82,8 @@ class DecodeWorker(EngineWorker):
         # router follows Serve's prefill replicas from now on, not from the first request on
         # (a fresh cluster's first first-token: 108-149 ms against 134-166 ms, 4 starts each).
         self.prefill = prefill_handle.options() if prefill_handle is not None else None
-        self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix="kv-recv")
+        self._receivers = ThreadPoolExecutor(max_workers=RECEIVER_THREADS, thread_name_prefix=RECEIVER_NAME,
+                                             initializer=engine_cores.share_decode_cores, initargs=(RECEIVER_NAME,))
         self.deltas = DeltaSender()
         # Faults survived: transfers that failed (recomputed here), prefill calls that failed
         # (retried or computed here); and prompts placed here to compute (local_prefill).

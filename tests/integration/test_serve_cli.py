@@ -22,6 +22,7 @@ from cluster.host.openmp import usable_cpus, waiting_env
 from cluster.launch.ingress import resolve
 from cluster.launch.lifetime import POLL_S
 from cluster.launch.ports import free_port, port_free
+from decode_worker.worker import RECEIVER_NAME
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import PDSERVE, wait_until
@@ -71,6 +72,19 @@ def _threads(process: psutil.Process) -> list:
         return process.threads()
     except psutil.Error:  # it ended meanwhile
         return []
+
+
+# A decode worker's KV receives run on every core (cluster/host/engine_cores.py): its receiver
+# threads, and gloo's I/O threads, which the first receive of a pair starts and which inherit its cores.
+KV_RECEIVE_THREADS = {RECEIVER_NAME, "gloo_tcp_loop", "pt_gloo_runloop"}
+
+
+def _thread_name(pid: int, thread_id: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/task/{thread_id}/comm") as f:
+            return f.read().strip()
+    except OSError:  # it ended meanwhile
+        return None
 
 
 def _placement(thread_id: int) -> tuple[set[int], int] | None:
@@ -167,12 +181,15 @@ def test_serve_status_and_clean_stop(tiny_llama, tmp_path, stop_signal, ingress,
         assert decode.cpu_affinity() == list(cores.rest if cores else engine_cores.HOST_CORES)  # the main thread: off them
         assert any(cores and os.sched_getaffinity(t.id) == set(cores.decode) for t in decode.threads()) == bool(cores)
         assert any(os.sched_getscheduler(t.id) == os.SCHED_IDLE for t in prefill.threads()) == bool(cores)
-        if cores:  # nothing else of the cluster may run there: only the decode engine's and yielding threads
+        if cores:  # nothing else of the cluster may run there: the decode engine's, its KV receives and yielding threads
             tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-            placed = [(p.name(), t.id, _placement(t.id)) for p in tree for t in _threads(p)]
-            stray = [(name, tid, pl) for name, tid, pl in placed if pl and pl[0] & set(cores.decode)
-                     and pl[0] != set(cores.decode) and pl[1] != os.SCHED_IDLE]
-            assert stray == [] and len(placed) > 100
+            placed = [(p.pid, _thread_name(p.pid, t.id), t.id, _placement(t.id)) for p in tree for t in _threads(p)]
+            receivers = [pl for pid, name, _, pl in placed if pid == decode.pid and name == RECEIVER_NAME]
+            assert receivers and all(pl is None or pl[0] == set(cores.host) for pl in receivers)  # ("hi" was handed off)
+            stray = [(pid, name, tid, pl) for pid, name, tid, pl in placed if pl and pl[0] & set(cores.decode)
+                     and pl[0] != set(cores.decode) and pl[1] != os.SCHED_IDLE
+                     and not (pid == decode.pid and name in KV_RECEIVE_THREADS)]
+            assert stray == [] and len(placed) > 100, stray
         # A hung worker does not hang the status: it lists the others and names what is missing.
         prefill.suspend()
         try:
