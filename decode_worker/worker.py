@@ -147,6 +147,7 @@ class DecodeWorker(EngineWorker):
             return
         receive = _Receive()  # the thread receiving the KV into the reserved blocks, once started
         abort_on_exit = True
+        handoff = tracing.NO_SPAN  # the first token to the second: the KV's rest, the join, a step
         try:
             # Inside the try: a cancellation while reserving still aborts (the inbox keeps
             # the reserve-then-abort order on the engine thread).
@@ -161,13 +162,15 @@ class DecodeWorker(EngineWorker):
                     yield out
                 return
             try:
-                first, joined = await self.engine.accept_first_token(
+                first, decoded, joined = await self.engine.accept_first_token(
                     req.request_id, result.first_token_id, result.first_logprob, kv_arrived=receive.arrived.is_set)
                 if first is None:
                     raise EngineDeadError(f"request {req.request_id} stopped waiting for its KV")
                 span.event("first_token")
+                if not first.finished:
+                    handoff = span.child("handoff", self.phases, joined_with_first_token=joined)
                 yield first  # the client's first token, while the KV may still be in flight
-                if not first.finished and joined is None:
+                if not first.finished and not joined:  # (the receiving thread joins it once the KV is in)
                     kv_received = await asyncio.shield(receive.future)
             except BaseException:
                 # Cancelled, abandoned or failed while the receiving thread writes into the
@@ -179,12 +182,15 @@ class DecodeWorker(EngineWorker):
             if first.finished:  # its first token ended it: the blocks go once the receive is over
                 self._abort_after(receive.future, req.request_id)
                 return
-            if joined is None:  # the KV came after the first token: it joins the batch now
+            if not joined:  # the KV came after the first token (or failed: then it is recomputed here)
                 self._counts["joined_after_first_token"] += 1
-                joined = self.engine.commit_remote(req.request_id, kv_received)
-            async for out in joined:
+                if not kv_received:
+                    self.engine.kv_in(req.request_id, False)
+            async for out in decoded:
+                handoff.end()  # (once: a second end does nothing)
                 yield out
         finally:
+            handoff.end()
             if abort_on_exit:  # cancelled or failed before joining the batch: free the reservation ...
                 if receive.future is not None:
                     self._abort_after(receive.future, req.request_id)  # ... once nothing writes into it
@@ -224,7 +230,7 @@ class DecodeWorker(EngineWorker):
                         received = trace.child("kv_receive", self.phases, transfer_id=message.transfer_id,
                                                **self.transfer_attributes(len(block_ids), message.prefill_endpoints[0]))
                         receive.future = asyncio.get_running_loop().run_in_executor(
-                            self._receivers, self._receive, message, block_ids, receive.arrived, received
+                            self._receivers, self._receive, req.request_id, message, block_ids, receive.arrived, received
                         )
                     if isinstance(message, PrefillResult):
                         result = message
@@ -274,13 +280,15 @@ class DecodeWorker(EngineWorker):
 
         receiving.add_done_callback(abort)
 
-    def _receive(self, result: PrefillStarted, block_ids: list[int], arrived: threading.Event,
+    def _receive(self, request_id: str, result: PrefillStarted, block_ids: list[int], arrived: threading.Event,
                  span: tracing.Span = tracing.NO_SPAN) -> bool:
-        """Receive the blocks; on failure apply the policy (recompute: False; fail: raise)."""
+        """Receive the blocks, then join the request to the batch if its first token is in
+        (else it joins with it); on failure apply the policy (recompute: False; fail: raise)."""
         try:
             with span:
                 self.recv_kv(result.prefill_id, result.prefill_endpoints, block_ids, result.transfer_id)
-            arrived.set()
+            arrived.set()  # (before kv_in: a first token accepted after this joins at once)
+            self.engine.kv_in(request_id, True)
             return True
         except KVTransferError as e:
             if self.policy == "fail":

@@ -163,7 +163,7 @@ class _WorkerCollector:
         phases = HistogramMetricFamily(
             "pdserve_request_phase_seconds",
             "Requests' phases per tier, the spans of their traces (traced or not): gateway admission, tokenize, "
-            "route (this gateway replica's); decode reserve, prefill_call, kv_receive; prefill prefill, kv_send.",
+            "route (this gateway replica's); decode reserve, prefill_call, kv_receive, handoff; prefill prefill, kv_send.",
             labels=["tier", "phase"],
         )
         _add_histograms(phases, "gateway", PHASES["gateway"], [self.gateway_phases])

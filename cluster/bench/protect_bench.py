@@ -11,7 +11,8 @@ for each number of running decodes (--running) and decode output length (--outpu
 
 and per cell: the decodes' p99 ITL beside over alone (the inflation decode protection
 must keep small), the long prompts' first-to-second token gap over the decodes' median ITL
-beside, how many long prompts arrived and ended, and the prefill tier's busy fraction (its
+beside (and every handed-off request's, short ones included: the decode tier's `handoff`
+phase), how many long prompts arrived and ended, and the prefill tier's busy fraction (its
 engines' step seconds over the run, from /metrics): a cell whose prefill tier is busy
 >= --saturated of the time is marked saturated. Every cell's alone and beside runs are
 back to back on the same cluster, prompts drawn with the same seed. Writes protect.json and
@@ -91,6 +92,7 @@ def _cell(args, alone: dict, beside: dict, prompt_len: int, rate: float) -> dict
         "max_gap_over_median_itl": max(gaps) / beside["median_itl_ms"] if gaps else None,
         "decodes_failed": alone["failed"] + beside["failed"],
         "local_prefills": server.get("route_local_prefills", 0.0),  # prompts (of either kind) computed beside the decodes
+        "handoff_mean_ms": server.get("handoff_mean_ms"),  # every handed-off request's first token to its second, beside
         "prefill_busy": busy,
         "saturated": busy >= args.saturated,
         "duration_s": beside["duration"],
@@ -104,6 +106,8 @@ def _print_cell(running: int, output_len: int, cell: dict) -> None:
             f"{'-' if gap is None else f'{gap:.2f}x'} the median ITL ({cell['long_prompts_ended']} ended), "
             f"prefill busy {cell['prefill_busy']:.0%}{' (saturated)' if cell['saturated'] else ''}, "
             f"{cell['local_prefills']:.0f} prompts computed on decode")
+    if cell["handoff_mean_ms"] is not None:
+        line += f", every hand-off's first-to-second {cell['handoff_mean_ms']:.0f} ms (mean)"
     if "decode_steps_beside" in cell:
         steps = cell["decode_steps_beside"]
         causes = ", ".join(f"{cause} {n}" for cause, n in steps["slow_steps_by_cause"].items() if n)

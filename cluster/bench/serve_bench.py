@@ -212,6 +212,11 @@ def server_deltas(before: dict | None, after: dict | None) -> dict | None:
         if steps:
             out[f"{tier}_decode_step_mean_ms"] = 1e3 * total("pdserve_engine_step_seconds_sum", decode_steps) / steps
         out[f"{tier}_engine_busy_s"] = total("pdserve_engine_step_seconds_sum", f'tier="{tier}"')  # steps of every kind
+    # Hand-offs (decode's `handoff` phase): a handed-off request's first token to its second.
+    handoff = 'phase="handoff",tier="decode"'
+    if handoffs := total("pdserve_request_phase_seconds_count", handoff):
+        out["handoffs"] = handoffs
+        out["handoff_mean_ms"] = 1e3 * total("pdserve_request_phase_seconds_sum", handoff) / handoffs
     out["route_fallbacks"] = total("pdserve_route_fallbacks_total")
     for key, value in after.items():  # and by reason, where any (router/placement.py's labels)
         reason = re.fullmatch(r'pdserve_route_fallbacks_total\{reason="([a-z_]+)"\}', key)

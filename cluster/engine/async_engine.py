@@ -54,6 +54,13 @@ class _Call:
 
 
 @dataclass(frozen=True)
+class _Run:
+    """Run fn() on the engine thread; nobody awaits it (what it does goes to a sink)."""
+
+    fn: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class _Abort:
     request_id: str
 
@@ -76,9 +83,12 @@ class AsyncEngine:
     def __init__(self, build: Callable[[], Engine]):
         """Build the engine with `build()` on the engine thread, then serve it; the build's
         exception, if any, is raised here."""
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | _Run | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._sinks: dict[str, _Sink] = {}
+        # Requests whose first token is accepted and whose KV is still coming: their sinks
+        # until kv_in joins them (engine thread only).
+        self._awaiting_kv: dict[str, _Sink] = {}
         self._ids = itertools.count()
         self._closed = False
         self.dead: EngineDeadError | None = None
@@ -133,33 +143,41 @@ class AsyncEngine:
 
     async def accept_first_token(
         self, request_id: str, token_id: int, logprob, kv_arrived: Callable[[], bool]
-    ) -> tuple[RequestOutput | None, AsyncIterator[RequestOutput] | None]:
+    ) -> tuple[RequestOutput | None, AsyncIterator[RequestOutput] | None, bool]:
         """Accept the prefill worker's first token of a request reserved with
         Engine.add_remote_request: (its delta, or None if the request stopped waiting; the
-        stream of its decode steps if it joined the batch too, else None: join it with
-        commit_remote once the KV is in). It joins in the same call, between two steps, when
+        stream of its decode steps, None if the first token ended it; whether it joined the
+        batch in this call). It joins in the same call, between two steps, when
         `kv_arrived()` (asked on the engine thread) says the whole KV is in, so that the
-        next step computes the second token: the first-to-second gap is then one step, not
-        the wait for another step to end and then one."""
+        next step computes the second token; else at the first step boundary after
+        `kv_in`, which the receiving thread calls itself (no hop through the caller's event
+        loop, which 16 streams keep busy: that hop alone was up to 40 ms)."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
 
-        def accept(engine: Engine) -> tuple[RequestOutput | None, bool]:
+        def accept(engine: Engine) -> tuple[RequestOutput | None, bool, bool]:
             first = engine.accept_first_token(request_id, token_id, logprob)
-            if first is None or first.finished or self.dead is not None or not kv_arrived():
-                return first, False
-            if not engine.commit_remote(request_id, True):
-                return first, False
-            self._sinks[request_id] = sink
-            return first, True
+            if first is None or first.finished or self.dead is not None:
+                return first, False, False
+            if kv_arrived():
+                self._start(request_id, sink, lambda e: e.commit_remote(request_id, True))
+                return first, True, True
+            self._awaiting_kv[request_id] = sink
+            return first, True, False
 
-        first, joined = await self.call(accept)
-        return first, self._drain(request_id, sink) if joined else None
+        first, streams, joined = await self.call(accept)
+        return first, self._drain(request_id, sink) if streams else None, joined
 
-    async def commit_remote(self, request_id: str, kv_received: bool) -> AsyncIterator[RequestOutput]:
-        """Join a request reserved with Engine.add_remote_request (its first token already
-        accepted) to the batch and stream its decode steps."""
-        async for item in self._join(request_id, lambda e: e.commit_remote(request_id, kv_received)):
-            yield item
+    def kv_in(self, request_id: str, received: bool) -> None:
+        """From any thread: the KV of a request whose first token was accepted without it
+        is in (received) or will not come (the prompt is recomputed here: policy
+        `recompute`); it joins the batch at the next step boundary. A no-op for a request
+        not waiting (it joined with its first token, or ended)."""
+        def join() -> None:
+            sink = self._awaiting_kv.pop(request_id, None)
+            if sink is not None:
+                self._start(request_id, sink, lambda e: e.commit_remote(request_id, received))
+
+        self._post(_Run(join))
 
     async def compute_here(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """A reserved request whose prefill worker is lost computes its prompt here: stream it."""
@@ -167,21 +185,27 @@ class AsyncEngine:
             yield item
 
     async def _join(self, request_id: str, join: Callable[[Engine], bool]) -> AsyncIterator[RequestOutput]:
+        self._check_open()
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-
-        def start(engine: Engine) -> None:
-            if self.dead is not None:  # it would never step
-                engine.abort(request_id)
-                sink.put(EngineDeadError(f"engine is dead: {self.dead}"))
-                return
-            if not join(engine):
-                sink.put(EngineDeadError(f"request {request_id} was not waiting for KV"))
-                return
-            self._sinks[request_id] = sink
-
-        await self.call(start)
+        self._post(_Run(lambda: self._start(request_id, sink, join)))
         async for item in self._drain(request_id, sink):
             yield item
+
+    def _start(self, request_id: str, sink: _Sink, join: Callable[[Engine], bool]) -> None:
+        """(engine thread) Join a request to the batch with `join`; its deltas go to `sink`."""
+        if self.dead is not None:  # it would never step
+            self.engine.abort(request_id)
+            sink.put(EngineDeadError(f"engine is dead: {self.dead}"))
+            return
+        try:
+            joined = join(self.engine)
+        except Exception as e:  # the caller's, not the engine loop's
+            sink.put(e)
+            return
+        if not joined:
+            sink.put(EngineDeadError(f"request {request_id} was not waiting for KV"))
+            return
+        self._sinks[request_id] = sink
 
     async def _drain(self, request_id: str, sink: _Sink) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -214,7 +238,7 @@ class AsyncEngine:
         self._post(None)
         self._thread.join(timeout=30)
 
-    def _post(self, msg: _Add | _Abort | _Call | None) -> None:
+    def _post(self, msg: _Add | _Abort | _Call | _Run | None) -> None:
         self._inbox.put(msg)
         self._wakeup.set()
 
@@ -283,9 +307,12 @@ class AsyncEngine:
                 return False
             if isinstance(msg, _Abort):
                 self._sinks.pop(msg.request_id, None)
+                self._awaiting_kv.pop(msg.request_id, None)
                 self.engine.abort(msg.request_id)
             elif isinstance(msg, _Call):
                 self._run_call(msg)
+            elif isinstance(msg, _Run):
+                msg.fn()
             elif self.dead is not None:
                 msg.sink.put(EngineDeadError(f"engine is dead: {self.dead}"))
             else:
@@ -315,9 +342,10 @@ class AsyncEngine:
             pass
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id, sink in list(self._sinks.items()):
+        for request_id, sink in [*self._sinks.items(), *self._awaiting_kv.items()]:
             self.engine.abort(request_id)
             sink.put(error)
+        self._awaiting_kv.clear()
         self._sinks.clear()
 
 

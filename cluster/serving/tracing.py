@@ -15,7 +15,8 @@ nothing (nothing imported, allocated or exported); a phase only times itself.
 
 Each process exports its own spans (OTLP over HTTP, batched every 0.5 s); one trace id ties
 them together: gateway `request` > `admission`, `tokenize`, `generate` > `attempt` >
-`route`; decode `decode` > `reserve`, `prefill`, `kv_receive`; prefill `prefill` > `kv_send`.
+`route`; decode `decode` > `reserve`, `prefill_call`, `kv_receive`, `handoff` (its first token
+to its second); prefill `prefill` > `kv_send`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
 # histograms show for all.
 PHASES = {
     "gateway": ("admission", "tokenize", "route"),
-    "decode": ("reserve", "prefill_call", "kv_receive"),
+    "decode": ("reserve", "prefill_call", "kv_receive", "handoff"),
     "prefill": ("prefill", "kv_send"),
 }
 ENDPOINT_ENV = "PDSERVE_OTLP_ENDPOINT"  # set in every replica's environment by the app (ClusterConfig.otlp_endpoint)

@@ -107,7 +107,7 @@ def test_a_chat_request_is_one_trace_across_the_three_processes(live, collector)
             temperature=0, extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
         )
     names = {"chat.completions", "admission", "tokenize", "generate", "attempt", "route",
-             "decode", "reserve", "prefill_call", "kv_receive", "prefill", "kv_send"}
+             "decode", "reserve", "prefill_call", "kv_receive", "handoff", "prefill", "kv_send"}
     assert wait_until(lambda: complete(collector, trace_id, names), timeout_s=20)
     time.sleep(1)  # the last batches (parts sent after the prefill's span ended)
     spans = collector.trace(trace_id)

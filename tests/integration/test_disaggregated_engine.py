@@ -238,9 +238,9 @@ def test_a_lost_prefill_is_computed_on_the_decode_engine(tiny_llama):
 @pytest.mark.parametrize("kv_in_before_the_first_token", [True, False])
 def test_a_request_whose_kv_is_in_joins_the_batch_with_its_first_token(tiny_llama, kv_in_before_the_first_token):
     """Through AsyncEngine (as the decode worker runs it): the KV in when the first token
-    is accepted, the request joins the batch in that same call (its stream comes back with
-    the first token); otherwise it joins with commit_remote once the KV is in. Both give
-    the colocated tokens and free every block."""
+    is accepted, the request joins the batch in that same call; otherwise when the
+    receiving thread says the KV is in (kv_in). Both give the colocated tokens and free
+    every block."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     (want,) = [c.token_ids for c in make_engine(tiny_llama).generate([PROMPTS[1]], params)]
     p_engine, d_engine = make_engine(tiny_llama), make_engine(tiny_llama)
@@ -252,22 +252,56 @@ def test_a_request_whose_kv_is_in_joins_the_batch_with_its_first_token(tiny_llam
         request = d_engine.inputs.process(PROMPTS[1], params)
         drid, dst_ids, num_cached = await aengine.call(lambda e: e.add_remote_request(request))
 
-        def receive():  # the receiving thread: the blocks, then the event
+        def receive():  # the receiving thread: the blocks, then the event, then the join
             copy_blocks(p_engine, p_engine.block_table(rid)[num_cached // BS :], d_engine, dst_ids)
             arrived.set()
+            aengine.kv_in(drid, True)
 
         if kv_in_before_the_first_token:
             receive()
-        first, joined = await aengine.accept_first_token(drid, first_token, None, kv_arrived=arrived.is_set)
-        tokens, joined_with_first = list(first.new_token_ids), joined is not None
-        if joined is None:
+        first, decoded, joined_with_first = await aengine.accept_first_token(drid, first_token, None, kv_arrived=arrived.is_set)
+        if not joined_with_first:
             await asyncio.to_thread(receive)
-            joined = aengine.commit_remote(drid, True)
-        return tokens + [t async for out in joined for t in out.new_token_ids], joined_with_first
+        return list(first.new_token_ids) + [t async for out in decoded for t in out.new_token_ids], joined_with_first
 
     try:
         tokens, joined_with_first = asyncio.run(decode())
     finally:
         aengine.shutdown()
     assert tokens == want and joined_with_first == kv_in_before_the_first_token
+    assert p_engine.release(rid) and d_engine.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("ending", ["received", "failed", "aborted"])
+def test_a_request_waiting_for_its_kv_joins_when_told_and_only_then(tiny_llama, ending):
+    """A first token accepted before the KV: the request waits outside the batch until
+    kv_in. Received, it decodes the colocated tokens; failed (policy recompute), it
+    recomputes its prompt here to the same tokens; aborted while it waits, a late kv_in
+    joins nothing. Every block comes back."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (want,) = [c.token_ids for c in make_engine(tiny_llama).generate([PROMPTS[1]], params)]
+    p_engine, d_engine = make_engine(tiny_llama), make_engine(tiny_llama)
+    rid, first_token = prefill(p_engine, PROMPTS[1], params)
+    aengine = AsyncEngine(lambda: d_engine)
+
+    async def decode() -> list[int] | None:
+        request = d_engine.inputs.process(PROMPTS[1], params)
+        drid, dst_ids, num_cached = await aengine.call(lambda e: e.add_remote_request(request))
+        first, decoded, joined = await aengine.accept_first_token(drid, first_token, None, kv_arrived=lambda: False)
+        assert not joined and await aengine.call(lambda e: e.num_unfinished) == 1
+        if ending == "aborted":
+            aengine.abort(drid)
+            aengine.kv_in(drid, True)  # too late: nothing to join
+            assert await aengine.call(lambda e: (e.num_unfinished, e.pool.num_used_blocks)) == (0, 0)
+            return None
+        if ending == "received":
+            copy_blocks(p_engine, p_engine.block_table(rid)[num_cached // BS :], d_engine, dst_ids)
+        aengine.kv_in(drid, ending == "received")
+        return list(first.new_token_ids) + [t async for out in decoded for t in out.new_token_ids]
+
+    try:
+        tokens = asyncio.run(decode())
+    finally:
+        aengine.shutdown()
+    assert tokens == (None if ending == "aborted" else want)
     assert p_engine.release(rid) and d_engine.pool.num_used_blocks == 0

@@ -13,7 +13,8 @@ from cluster.bench.offline_target import OfflineTarget, offline_target
 from cluster.bench.openai_client import RequestResult
 from cluster.bench.serve_bench import arrival_times, goodput_slos, parse_metrics, server_deltas, summarize, throughput_over_time
 from cluster.bench.sweep_compare import LocalTarget, attainment, local_target, parse_target
-from cluster.engine.step_times import StepTimes
+from cluster.engine.step_times import Histograms, StepTimes
+from cluster.serving import tracing
 from cluster.text.tokenizer import Tokenizer
 from router.metrics import GatewayMetrics
 
@@ -78,6 +79,26 @@ def test_server_deltas_give_each_tiers_mean_decode_step_over_the_run():
     deltas = server_deltas(before, scraped())
     assert deltas["decode_decode_step_mean_ms"] == pytest.approx(25.0)
     assert "prefill_decode_step_mean_ms" not in deltas
+
+
+def test_server_deltas_give_the_hand_offs_mean_over_the_run():
+    """The decode tier's `handoff` phase from the gateway's /metrics text, only what the run
+    added; a run without hand-offs has no figure."""
+    phases = Histograms(tracing.PHASES["decode"])
+    metrics = GatewayMetrics("gw")
+
+    def scraped():
+        stats = {"decode": {"w0": {"running": 0, "waiting": 0, "kv_usage": 0.0, "phase_seconds": phases.snapshot()}}}
+        return parse_metrics(metrics.render(stats, {"prefill": 0, "decode": 0}).decode())
+
+    phases.observe_as("handoff", 9.0)  # before the run
+    before = scraped()
+    assert "handoff_mean_ms" not in server_deltas(before, scraped())
+    phases.observe_as("handoff", 0.060)
+    phases.observe_as("handoff", 0.100)
+    phases.observe_as("kv_receive", 3.0)  # another phase
+    deltas = server_deltas(before, scraped())
+    assert deltas["handoffs"] == 2 and deltas["handoff_mean_ms"] == pytest.approx(80.0)
 
 
 def test_goodput_flag_is_checked():
