@@ -48,7 +48,6 @@ that fill every core would starve.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fcntl
 import logging
 import os
@@ -209,6 +208,6 @@ def share_decode_cores(name: str, environ: Mapping[str, str] | None = None) -> N
     environ = os.environ if environ is None else environ
     if host := environ.get(HOST_CORES_ENV, ""):
         os.sched_setaffinity(0, [int(c) for c in host.split(",")])  # 0: the calling thread
-    libc = ctypes.util.find_library("c")
-    if libc:  # the name is for people only: a libc without prctl costs nothing else
-        ctypes.CDLL(libc).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # the process's own libc (dlopen(NULL): no search)
+    if prctl is not None:  # the name is for people only: without prctl nothing else changes
+        prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

@@ -20,6 +20,7 @@ from cluster.host.engine_cores import (
     keep_off,
     place_engine_thread,
     plan,
+    share_decode_cores,
 )
 from cluster.launch.serve import engine_cores_of, on_this_machine
 
@@ -142,6 +143,26 @@ def test_without_the_variables_an_engine_thread_stays_as_it_was(tmp_path):
     assert (placement.cores, placement.yields, cores, policy) == (None, False, set(HOST_CORES), os.SCHED_OTHER)
     on_gpu = place_engine_thread(1, "cuda", environ={CORES_ENV: str(HOST_CORES[-1]), YIELDS_ENV: "1"}, lock_dir=str(tmp_path))
     assert on_gpu.info() == {"cores": None, "yields": False}  # the GPU's host threads are left alone
+
+
+@several_cores
+def test_a_kv_receive_thread_started_off_the_decode_cores_runs_on_every_core_under_its_name():
+    cores = plan(1, 2, "own")
+
+    def driver():
+        keep_off(cores)  # the decode worker's process starts on the other cores
+
+        def receiver():
+            share_decode_cores("kv-recv", cores.decode_env)
+            with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+                return f.read().strip(), os.sched_getaffinity(0)
+
+        plain = _in_thread(lambda: share_decode_cores("plain", {}) or os.sched_getaffinity(0))  # no plan: only named
+        return _in_thread(receiver), plain
+
+    (name, receiving), plain = _in_thread(driver)
+    assert name == "kv-recv" and receiving == set(HOST_CORES)
+    assert plain == set(cores.rest)
 
 
 def _config(threads: int, replicas: int = 1, engine_cores: str = "own", colocated: bool = False,
