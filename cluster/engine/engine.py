@@ -320,9 +320,12 @@ class Engine:
         updates = self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()})
         outputs = [self._process(u.request_id, u.new_token_ids, u.status, sampled[u.request_id]) for u in updates]
         outputs += self._kv_progress(sched)
-        prompt_context = sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2)
-                             for c, decode in zip(sched.chunks, decoding) if not decode) if sched.total_tokens > num_decode else 0.0
-        self.timeline.end(began, num_decode, sched.total_tokens - num_decode, still_running=bool(self.scheduler.running),
+        num_prompt = sched.total_tokens - num_decode
+        prompt_context = 0.0  # prompt tokens x their mean position (the planner's attention term)
+        if num_prompt:  # (a decode-only step has none: no pass over its chunks)
+            prompt_context = sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2)
+                                 for c, decode in zip(sched.chunks, decoding) if not decode)
+        self.timeline.end(began, num_decode, num_prompt, still_running=bool(self.scheduler.running),
                           prompt_context=prompt_context)
         return outputs
 

@@ -88,6 +88,11 @@ def _cores_text(cores: Iterable[int]) -> str:
     return ",".join(map(str, cores))
 
 
+def _cores_of(text: str) -> list[int]:
+    """The cores a variable names ("0,1,2")."""
+    return [int(c) for c in text.split(",")]
+
+
 def keep_off(plan: CorePlan | None) -> set[int]:
     """In the driver, before it starts anything: the processes it starts from here on (and
     the threads it starts) run off the decode engines' cores. Threads already running keep
@@ -178,7 +183,7 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
     if device != "cpu":
         return placement
     if spec := environ.get(CORES_ENV, ""):
-        placement.claim = claim_cores(threads, [int(c) for c in spec.split(",")], lock_dir)
+        placement.claim = claim_cores(threads, _cores_of(spec), lock_dir)
         if placement.claim is None:
             log.warning("no %d free core(s) among %s for this engine: it runs on any core", threads, spec)
         else:
@@ -187,7 +192,7 @@ def place_engine_thread(threads: int, device: str = "cpu", environ: Mapping[str,
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
         placement.yields = True
     if placement.claim is None and (host := environ.get(HOST_CORES_ENV, "")):
-        os.sched_setaffinity(0, [int(c) for c in host.split(",")])  # the process started off the decode cores
+        os.sched_setaffinity(0, _cores_of(host))  # the process started off the decode cores
     return placement
 
 
@@ -207,7 +212,7 @@ def share_decode_cores(name: str, environ: Mapping[str, str] | None = None) -> N
     ~5 ms of the decode core. Without the variable (no core plan), only the name is set."""
     environ = os.environ if environ is None else environ
     if host := environ.get(HOST_CORES_ENV, ""):
-        os.sched_setaffinity(0, [int(c) for c in host.split(",")])  # 0: the calling thread
+        os.sched_setaffinity(0, _cores_of(host))  # 0: the calling thread
     prctl = getattr(ctypes.CDLL(None), "prctl", None)  # the process's own libc (dlopen(NULL): no search)
     if prctl is not None:  # the name is for people only: without prctl nothing else changes
         prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
